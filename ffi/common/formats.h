@@ -1,0 +1,82 @@
+// Number formats shared by the CPU and CUDA handlers (SPEC section 2). Host and device inline.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define W4A8_HD __host__ __device__ __forceinline__
+#else
+#define W4A8_HD inline
+#endif
+
+namespace jax_w4a8 {
+
+W4A8_HD float BitsToFloat(uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(b);
+#else
+  float f;
+  std::memcpy(&f, &b, sizeof(f));
+  return f;
+#endif
+}
+
+W4A8_HD uint32_t FloatToBits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof(b));
+  return b;
+#endif
+}
+
+// float8_e4m3fn -> float, exact. 1 sign, 4 exponent (bias 7), 3 mantissa bits; 0x7F/0xFF are NaN.
+W4A8_HD float E4m3ToFloat(uint8_t v) {
+  const uint32_t sign = static_cast<uint32_t>(v & 0x80) << 24;
+  const uint32_t exp = (v >> 3) & 0xF;
+  const uint32_t man = v & 0x7;
+  if (exp == 0xF && man == 0x7) return BitsToFloat(0x7FC00000u | sign);
+  if (exp == 0) {  // subnormal: man * 2^-9
+    const float mag = static_cast<float>(man) * (1.0f / 512.0f);
+    return sign ? -mag : mag;
+  }
+  return BitsToFloat(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// UE8M0 code -> float: 2^(code - 127); 0xFF is NaN; code 0 is the fp32 subnormal 2^-127.
+W4A8_HD float Ue8m0ToFloat(uint8_t code) {
+  if (code == 0xFF) return BitsToFloat(0x7FC00000u);
+  if (code == 0) return BitsToFloat(0x00400000u);
+  return BitsToFloat(static_cast<uint32_t>(code) << 23);
+}
+
+// True when a float32 is exactly a UE8M0 value: positive power of two with a normal exponent 1..254.
+W4A8_HD bool IsUe8m0Exact(uint32_t bits) {
+  const uint32_t exp = (bits >> 23) & 0xFF;
+  return (bits & 0x807FFFFFu) == 0 && exp >= 1 && exp <= 254;
+}
+
+// The masked exponent byte of a float32 that IsUe8m0Exact accepted.
+W4A8_HD uint8_t Ue8m0Code(uint32_t bits) { return static_cast<uint8_t>((bits >> 23) & 0xFF); }
+
+// float -> bfloat16 bits, round to nearest even; NaN stays a quiet NaN, overflow goes to Inf as
+// in every bf16 conversion (bf16 has float32's range, so a finite float32 sum never overflows).
+W4A8_HD uint16_t FloatToBf16Bits(float f) {
+  const uint32_t b = FloatToBits(f);
+  if ((b & 0x7F800000u) == 0x7F800000u && (b & 0x7FFFFFu)) return static_cast<uint16_t>((b >> 16) | 0x40);
+  const uint32_t rounded = b + 0x7FFFu + ((b >> 16) & 1u);
+  return static_cast<uint16_t>(rounded >> 16);
+}
+
+W4A8_HD float Bf16BitsToFloat(uint16_t h) { return BitsToFloat(static_cast<uint32_t>(h) << 16); }
+
+// Signed int4 code at position `k` of a packed row: element 2i in the low nibble of byte i.
+W4A8_HD int Int4At(const int8_t* row, int64_t k) {
+  const int byte = static_cast<uint8_t>(row[k >> 1]);
+  const int nib = (k & 1) ? (byte >> 4) : (byte & 0xF);
+  return (nib ^ 8) - 8;
+}
+
+}  // namespace jax_w4a8

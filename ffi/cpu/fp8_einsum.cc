@@ -1,0 +1,64 @@
+// CPU handler of ops.fp8_einsum in its canonical batched form (SPEC 4.2): x [M, H, K], w [H, N, K].
+#include <cstdint>
+#include <vector>
+
+#include "../common/checks.h"
+#include "../common/formats.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_w4a8 {
+namespace {
+
+float ScaleAt(const ffi::AnyBuffer& s, int64_t idx) {
+  if (s.element_type() == ffi::F32) return static_cast<const float*>(s.untyped_data())[idx];
+  return Ue8m0ToFloat(static_cast<const uint8_t*>(s.untyped_data())[idx]);
+}
+
+ffi::Error Fp8EinsumCpu(ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
+                        ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> out) {
+  Fp8EinsumDims d;
+  if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
+  const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
+  const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
+  const int64_t m = d.m, h = d.h, n = d.n, k = d.k, groups = d.groups;
+
+  std::vector<float> wrow(static_cast<size_t>(k)), xf(static_cast<size_t>(m * h * k));
+  for (int64_t i = 0; i < m * h * k; ++i) xf[i] = E4m3ToFloat(xp[i]);
+  std::vector<float> acc(static_cast<size_t>(m * h * n));
+  for (int64_t head = 0; head < h; ++head) {
+    for (int64_t col = 0; col < n; ++col) {
+      const uint8_t* wr = wp + (head * n + col) * k;
+      for (int64_t kk = 0; kk < k; ++kk) wrow[kk] = E4m3ToFloat(wr[kk]);
+      const int64_t srow = head * d.w_scale_rows + col / d.w_rows_per_scale;
+      for (int64_t row = 0; row < m; ++row) {
+        const float* xr = &xf[(row * h + head) * k];
+        float total = 0.0f;
+        for (int64_t g = 0; g < groups; ++g) {
+          float part = 0.0f;  // fp32 promotion per 128-K block
+          for (int64_t kk = g * kGroup; kk < (g + 1) * kGroup; ++kk) part += xr[kk] * wrow[kk];
+          total += ScaleAt(x_scale, (row * h + head) * groups + g) * ScaleAt(w_scale, srow * groups + g) * part;
+        }
+        acc[(row * h + head) * n + col] = total;
+      }
+    }
+  }
+  if (d.out_bf16) {
+    auto* o = static_cast<uint16_t*>(out->untyped_data());
+    for (size_t i = 0; i < acc.size(); ++i) o[i] = FloatToBf16Bits(acc[i]);
+  } else {
+    auto* o = static_cast<float*>(out->untyped_data());
+    for (size_t i = 0; i < acc.size(); ++i) o[i] = acc[i];
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_w4a8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8Fp8EinsumCpu, jax_w4a8::Fp8EinsumCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // x_scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // w
+                                  .Arg<xla::ffi::AnyBuffer>()   // w_scale
+                                  .Ret<xla::ffi::AnyBuffer>());  // out

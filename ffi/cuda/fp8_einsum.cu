@@ -1,0 +1,109 @@
+// CUDA handler of ops.fp8_einsum in its canonical batched form (SPEC 4.2): x [M, H, K] e4m3,
+// w [H, N, K] e4m3, scales float32 or UE8M0 codes, out [M, H, N] bf16/f32.
+//
+// The simple CUDA-core kernel: a 16 x 64 tile per block and head, float32 promotion per 128-K block
+// (both scales applied with an FMA after each block), one output rounding. UE8M0 codes are applied
+// as exact powers of two. Edges in M and N are masked; nothing outside the buffers is read.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/checks.h"
+#include "../common/formats.h"
+#include "simple_tile.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_w4a8 {
+namespace {
+
+using simple::kK;
+using simple::kTileM;
+using simple::kTileN;
+
+struct EinsumArgs {
+  const uint8_t* x;
+  const void* x_scale;
+  const uint8_t* w;
+  const void* w_scale;
+  void* out;
+  int64_t m, h, n, k, groups, w_scale_rows, w_rows_per_scale;
+  bool x_ue8m0, w_ue8m0, out_bf16;
+};
+
+__device__ __forceinline__ float Scale(const void* s, bool ue8m0, int64_t idx) {
+  return ue8m0 ? Ue8m0ToFloat(static_cast<const uint8_t*>(s)[idx]) : static_cast<const float*>(s)[idx];
+}
+
+__global__ void __launch_bounds__(simple::kThreads) Fp8EinsumSimpleKernel(EinsumArgs a) {
+  __shared__ simple::Smem s;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTileM;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTileN;
+  const int64_t head = blockIdx.z;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  const int64_t row = r0 + ty;
+  float acc[simple::kColsPerThread] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int64_t g = 0; g < a.groups; ++g) {
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTileM * kK; i += blockDim.x) {
+      const int rr = i / kK, kk = i % kK;
+      const int64_t r = r0 + rr;
+      s.a[rr][kk] = r < a.m ? E4m3ToFloat(a.x[(r * a.h + head) * a.k + g * kK + kk]) : 0.0f;
+    }
+    for (int i = threadIdx.x; i < kTileN * kK; i += blockDim.x) {
+      const int cc = i / kK, kk = i % kK;
+      const int64_t col = c0 + cc;
+      s.b[cc][kk] = col < a.n ? E4m3ToFloat(a.w[(head * a.n + col) * a.k + g * kK + kk]) : 0.0f;
+    }
+    __syncthreads();
+    float part[simple::kColsPerThread];
+    simple::GroupDot(s, ty, tx, part);
+    if (row < a.m) {
+      const float sa = Scale(a.x_scale, a.x_ue8m0, (row * a.h + head) * a.groups + g);
+#pragma unroll
+      for (int j = 0; j < simple::kColsPerThread; ++j) {
+        const int64_t col = c0 + tx + 16 * j;
+        if (col < a.n) {
+          const int64_t srow = head * a.w_scale_rows + col / a.w_rows_per_scale;
+          acc[j] += sa * Scale(a.w_scale, a.w_ue8m0, srow * a.groups + g) * part[j];
+        }
+      }
+    }
+  }
+  if (row >= a.m) return;
+#pragma unroll
+  for (int j = 0; j < simple::kColsPerThread; ++j) {
+    const int64_t col = c0 + tx + 16 * j;
+    if (col < a.n) simple::Store(a.out, a.out_bf16, (row * a.h + head) * a.n + col, acc[j]);
+  }
+}
+
+ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
+                         ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> out) {
+  Fp8EinsumDims d;
+  if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
+  if (d.m == 0 || d.h == 0) return ffi::Error::Success();
+  if (d.h > 65535) return Invalid("fp8_einsum", "at most 65535 heads are supported");
+  EinsumArgs a{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
+               static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(), out->untyped_data(),
+               d.m, d.h, d.n, d.k, d.groups, d.w_scale_rows, d.w_rows_per_scale,
+               d.x_scale_ue8m0, d.w_scale_ue8m0, d.out_bf16};
+  const dim3 grid(static_cast<unsigned>((d.m + kTileM - 1) / kTileM),
+                  static_cast<unsigned>((d.n + kTileN - 1) / kTileN), static_cast<unsigned>(d.h));
+  Fp8EinsumSimpleKernel<<<grid, simple::kThreads, 0, stream>>>(a);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+    return ffi::Error::Internal(std::string("fp8_einsum: kernel launch failed: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_w4a8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8Fp8EinsumCuda, jax_w4a8::Fp8EinsumCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // x_scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // w
+                                  .Arg<xla::ffi::AnyBuffer>()   // w_scale
+                                  .Ret<xla::ffi::AnyBuffer>(),  // out
+                              {xla::ffi::Traits::kCmdBufferCompatible});

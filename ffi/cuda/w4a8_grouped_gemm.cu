@@ -1,0 +1,159 @@
+// CUDA handler of ops.w4a8_grouped_gemm (SPEC 4.1).
+//
+// This file holds the handler and the simple CUDA-core kernel: a 16 x 64 output tile per block,
+// float32 math, a fresh accumulator per 128-K group with both scales applied after it, one bf16/f32
+// rounding. Rows are assigned to experts on the device from `group_sizes` (clamped, see
+// common/groups.h), so nothing is synchronised with the host and any group_sizes content is safe.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/checks.h"
+#include "../common/formats.h"
+#include "../common/groups.h"
+#include "simple_tile.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_w4a8 {
+namespace {
+
+using simple::kK;
+using simple::kTileM;
+using simple::kTileN;
+
+struct GemmArgs {
+  const uint8_t* x;
+  const float* x_scale;
+  const int8_t* w;
+  const void* w_scale;
+  const int32_t* group_sizes;
+  void* out;
+  int64_t m, n, k, e, groups;
+  int x_scale_kind;  // XScaleKind
+  bool w_scale_bf16, out_bf16;
+};
+
+// Writes the expert of each of the block's rows into row_expert (-1: padding). Warp 0 runs a
+// saturating inclusive scan over group_sizes, 32 experts at a time.
+__device__ void AssignRows(const GemmArgs& a, int64_t r0, int* row_expert) {
+  if (threadIdx.x < kTileM) row_expert[threadIdx.x] = -1;
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  int64_t carry = 0;  // end of the previous chunk's last expert
+  for (int64_t base = 0; base < a.e && carry < r0 + kTileM; base += 32) {
+    const int64_t e = base + lane;
+    int64_t v = e < a.e ? NextGroupEnd(0, a.group_sizes[e], a.m) : 0;  // clamped size
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {  // inclusive scan with min(x + y, m)
+      const int64_t other = __shfl_up_sync(0xffffffffu, v, off);
+      if (lane >= off) v = min(v + other, a.m);
+    }
+    const int64_t end = min(carry + v, a.m);
+    const int64_t up = __shfl_up_sync(0xffffffffu, v, 1);  // every lane takes part in the shuffle
+    const int64_t prev = lane == 0 ? carry : min(carry + up, a.m);
+    if (e < a.e) {
+      for (int64_t r = max(prev, r0); r < min(end, r0 + kTileM); ++r) row_expert[r - r0] = static_cast<int>(e);
+    }
+    carry = min(carry + __shfl_sync(0xffffffffu, v, 31), a.m);
+  }
+}
+
+__device__ __forceinline__ float WeightScale(const GemmArgs& a, int64_t idx) {
+  return a.w_scale_bf16 ? Bf16BitsToFloat(static_cast<const uint16_t*>(a.w_scale)[idx])
+                        : static_cast<const float*>(a.w_scale)[idx];
+}
+
+__device__ __forceinline__ float ActScale(const GemmArgs& a, int64_t row, int64_t g) {
+  switch (a.x_scale_kind) {
+    case static_cast<int>(XScaleKind::kTensor): return a.x_scale[0];
+    case static_cast<int>(XScaleKind::kToken): return a.x_scale[row];
+    default: return a.x_scale[row * a.groups + g];
+  }
+}
+
+__global__ void __launch_bounds__(simple::kThreads) GroupedGemmSimpleKernel(GemmArgs a) {
+  __shared__ simple::Smem s;
+  __shared__ int row_expert[kTileM];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kTileM;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.y) * kTileN;
+  const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+  AssignRows(a, r0, row_expert);
+  __syncthreads();
+
+  float acc[simple::kColsPerThread] = {0.0f, 0.0f, 0.0f, 0.0f};
+  int seg = 0;
+  while (seg < kTileM) {  // the block's rows form runs of one expert each (rows are sorted)
+    const int e = row_expert[seg];
+    int seg_end = seg + 1;
+    while (seg_end < kTileM && row_expert[seg_end] == e) ++seg_end;
+    if (e >= 0) {
+      for (int64_t g = 0; g < a.groups; ++g) {
+        __syncthreads();
+        for (int i = threadIdx.x; i < kTileM * kK; i += blockDim.x) {
+          const int rr = i / kK, kk = i % kK;
+          const int64_t row = r0 + rr;
+          s.a[rr][kk] = (rr >= seg && rr < seg_end && row < a.m) ? E4m3ToFloat(a.x[row * a.k + g * kK + kk]) : 0.0f;
+        }
+        for (int i = threadIdx.x; i < kTileN * kK; i += blockDim.x) {
+          const int cc = i / kK, kk = i % kK;
+          const int64_t col = c0 + cc;
+          s.b[cc][kk] = col < a.n ? static_cast<float>(Int4At(a.w + (e * a.n + col) * (a.k / 2), g * kK + kk)) : 0.0f;
+        }
+        __syncthreads();
+        float part[simple::kColsPerThread];
+        simple::GroupDot(s, ty, tx, part);
+        const int64_t row = r0 + ty;
+        if (ty >= seg && ty < seg_end && row < a.m) {
+          const float sa = ActScale(a, row, g);
+#pragma unroll
+          for (int j = 0; j < simple::kColsPerThread; ++j) {
+            const int64_t col = c0 + tx + 16 * j;
+            if (col < a.n) acc[j] += sa * WeightScale(a, (e * a.n + col) * a.groups + g) * part[j];
+          }
+        }
+      }
+    }
+    seg = seg_end;
+  }
+  const int64_t row = r0 + ty;
+  if (row >= a.m) return;
+#pragma unroll
+  for (int j = 0; j < simple::kColsPerThread; ++j) {
+    const int64_t col = c0 + tx + 16 * j;
+    if (col < a.n) simple::Store(a.out, a.out_bf16, row * a.n + col, acc[j]);
+  }
+}
+
+ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                               ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes,
+                               ffi::Result<ffi::AnyBuffer> out) {
+  GroupedGemmDims d;
+  if (auto err = CheckGroupedGemm(x, x_scale, w, w_scale, group_sizes, *out, &d); err.failure())
+    return err;
+  if (d.m == 0) return ffi::Error::Success();
+  GemmArgs a{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const float*>(x_scale.untyped_data()),
+             static_cast<const int8_t*>(w.untyped_data()), w_scale.untyped_data(),
+             static_cast<const int32_t*>(group_sizes.untyped_data()), out->untyped_data(),
+             d.m, d.n, d.k, d.e, d.groups, static_cast<int>(d.x_scale_kind), d.w_scale_bf16, d.out_bf16};
+  const dim3 grid(static_cast<unsigned>((d.m + kTileM - 1) / kTileM),
+                  static_cast<unsigned>((d.n + kTileN - 1) / kTileN));
+  GroupedGemmSimpleKernel<<<grid, simple::kThreads, 0, stream>>>(a);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+    return ffi::Error::Internal(std::string("w4a8_grouped_gemm: kernel launch failed: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_w4a8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8GroupedGemmCuda, jax_w4a8::W4a8GroupedGemmCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // x_scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // w
+                                  .Arg<xla::ffi::AnyBuffer>()   // w_scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // group_sizes
+                                  .Ret<xla::ffi::AnyBuffer>(),  // out
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,37 @@
+// The Python modules jax_w4a8._lib._ffi_cpu and jax_w4a8._lib._ffi_cuda (this file compiled twice,
+// with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule}.
+// Target names must match jax_w4a8/_ffi.py:TARGETS.
+#include <nanobind/nanobind.h>
+
+#include "xla/ffi/api/ffi.h"
+
+#if defined(JAX_W4A8_CUDA)
+#define JAX_W4A8_MODULE _ffi_cuda
+#define JAX_W4A8_HANDLER(name) name##Cuda
+#else
+#define JAX_W4A8_MODULE _ffi_cpu
+#define JAX_W4A8_HANDLER(name) name##Cpu
+#endif
+
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8GroupedGemm));
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8Fp8Einsum));
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8Ue8m0Pack));
+
+namespace nb = nanobind;
+
+namespace {
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(JAX_W4A8_MODULE, m) {
+  m.def("registrations", []() {
+    nb::dict d;
+    d["jax_w4a8_w4a8_grouped_gemm"] = Capsule(JAX_W4A8_HANDLER(JaxW4a8GroupedGemm));
+    d["jax_w4a8_fp8_einsum"] = Capsule(JAX_W4A8_HANDLER(JaxW4a8Fp8Einsum));
+    d["jax_w4a8_ue8m0_pack"] = Capsule(JAX_W4A8_HANDLER(JaxW4a8Ue8m0Pack));
+    return d;
+  });
+}

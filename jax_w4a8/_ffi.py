@@ -1,0 +1,80 @@
+"""Loads the compiled FFI handlers once and registers them with XLA, per platform.
+
+Two extension modules are built from ``ffi/``: ``jax_w4a8._lib._ffi_cpu`` (always) and
+``jax_w4a8._lib._ffi_cuda`` (when nvcc was found at build time). Each exposes ``registrations()``,
+a dict of target name -> handler capsule. A module that is missing or fails to load leaves its
+platform on the reference path, and :func:`ffi_available` says why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import os
+
+import jax
+
+__all__ = ["FfiAvailability", "ffi_available", "export_disabled_checks", "TARGETS"]
+
+# Target names, one per op; the same name is registered for every platform that has a handler.
+TARGETS = {
+    "w4a8_grouped_gemm": "jax_w4a8_w4a8_grouped_gemm",
+    "fp8_einsum": "jax_w4a8_fp8_einsum",
+    "ue8m0_pack": "jax_w4a8_ue8m0_pack",
+}
+
+_MODULES = {"cpu": ("_ffi_cpu", "cpu"), "cuda": ("_ffi_cuda", "CUDA")}
+_DISABLE_ENV = "JAX_W4A8_DISABLE_FFI"  # comma-separated platforms to keep on the reference path
+
+
+@dataclasses.dataclass(frozen=True)
+class FfiAvailability:
+    """Truthy when the platform's handlers are registered; ``reason`` says why not otherwise."""
+
+    platform: str
+    available: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.available
+
+
+def _load(platform: str) -> FfiAvailability:
+    module_name, xla_platform = _MODULES[platform]
+    disabled = {p.strip().lower() for p in os.environ.get(_DISABLE_ENV, "").split(",") if p.strip()}
+    if platform in disabled:
+        return FfiAvailability(platform, False, f"disabled by {_DISABLE_ENV}={os.environ[_DISABLE_ENV]}")
+    try:
+        module = importlib.import_module(f"jax_w4a8._lib.{module_name}")
+    except ImportError as exc:
+        hint = " (the package was built without nvcc)" if platform == "cuda" else ""
+        return FfiAvailability(platform, False, f"cannot import jax_w4a8._lib.{module_name}{hint}: {exc}")
+    try:
+        for name, capsule in module.registrations().items():
+            jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=1)
+    except Exception as exc:  # noqa: BLE001 - report any registration failure as unavailability
+        return FfiAvailability(platform, False, f"registering {module_name} failed: {exc}")
+    return FfiAvailability(platform, True)
+
+
+_STATUS = {platform: _load(platform) for platform in _MODULES}
+
+
+def ffi_available(platform: str = "cuda") -> FfiAvailability:
+    """Whether the FFI handlers of ``platform`` ("cpu" or "cuda"/"gpu") are built and registered.
+
+    Returns a truthy/falsy :class:`FfiAvailability`; when falsy, ``.reason`` says why.
+    """
+    key = {"gpu": "cuda"}.get(platform.lower(), platform.lower())
+    if key not in _STATUS:
+        return FfiAvailability(platform, False, f"no FFI handlers exist for platform {platform!r}")
+    return _STATUS[key]
+
+
+def export_disabled_checks() -> list:
+    """The ``disabled_checks`` that ``jax.export.export`` needs to serialize this library's calls.
+
+    Our targets carry no cross-version compatibility guarantee (unlike XLA's built-in ones), so
+    exporting them is an explicit opt-in: ``jax.export.export(f, disabled_checks=export_disabled_checks())``.
+    """
+    return [jax.export.DisabledSafetyCheck.custom_call(name) for name in TARGETS.values()]

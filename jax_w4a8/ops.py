@@ -1,0 +1,296 @@
+"""Public ops: validate at trace time, then run the XLA FFI custom call or the jnp reference.
+
+Every op takes ``impl``:
+
+* ``"auto"`` (default): the FFI handler of the platform the computation is lowered for when it is
+  built (see :func:`jax_w4a8.ffi_available`), the reference otherwise.
+* ``"ffi"``: always the custom call (XLA reports an error at compile time if the platform has none).
+* ``"reference"``: the plain-``jnp`` oracle of :mod:`jax_w4a8.reference`.
+
+Outputs are bfloat16 or float32, never float16 (a W4A8 GEMM's outputs can exceed 65504; sglang
+issue 8493).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_w4a8 import quant, reference
+from jax_w4a8._ffi import TARGETS, ffi_available
+
+__all__ = ["w4a8_grouped_gemm", "fp8_einsum", "pack_ue8m0"]
+
+_IMPLS = ("auto", "ffi", "reference")
+_SCALE_CODE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e8m0fnu))
+
+
+# ----------------------------------------------------------------------------------------------
+# validation helpers
+# ----------------------------------------------------------------------------------------------
+def _fail(op: str, arg: str, msg: str, exc=ValueError):
+    raise exc(f"{op}: argument '{arg}' {msg}")
+
+
+def _check_dtype(op, arg, a, allowed):
+    allowed = tuple(jnp.dtype(d) for d in allowed)
+    if a.dtype not in allowed:
+        names = " or ".join(str(d) for d in allowed)
+        _fail(op, arg, f"must have dtype {names}, got {a.dtype}", TypeError)
+
+
+def _check_shape(op, arg, a, expected, what):
+    if tuple(a.shape) != tuple(expected):
+        _fail(op, arg, f"must have shape {tuple(expected)} ({what}), got {tuple(a.shape)}")
+
+
+def _check_out_dtype(op, out_dtype):
+    dt = jnp.dtype(out_dtype)
+    if dt == jnp.float16:
+        _fail(op, "out_dtype", "must be bfloat16 or float32; float16 is refused because W4A8/FP8 "
+              "GEMM outputs can exceed 65504 and overflow to Inf (sglang issue 8493)")
+    if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        _fail(op, "out_dtype", f"must be bfloat16 or float32, got {dt}")
+    return dt
+
+
+def _check_impl(op, impl):
+    if impl not in _IMPLS:
+        _fail(op, "impl", f"must be one of {_IMPLS}, got {impl!r}")
+
+
+def _is_concrete(a) -> bool:
+    return not isinstance(a, jax.core.Tracer)
+
+
+def _dispatch(impl, ffi_fn, ref_fn, *args):
+    """Runs ``ffi_fn`` or ``ref_fn`` on ``args`` by ``impl`` and the lowering platform."""
+    if impl == "reference":
+        return ref_fn(*args)
+    if impl == "ffi":
+        return ffi_fn(*args)
+    return jax.lax.platform_dependent(
+        *args,
+        cpu=ffi_fn if ffi_available("cpu") else ref_fn,
+        cuda=ffi_fn if ffi_available("cuda") else ref_fn,
+        default=ref_fn,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# W4A8 grouped GEMM
+# ----------------------------------------------------------------------------------------------
+def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bfloat16, impl="auto"):
+    """MoE grouped GEMM with int4 weights and fp8 activations (SPEC 4.1).
+
+    ``out[m, n] = sum_g sa(m, g) * sw(e(m), n, g) * sum_{k in g} x[m, k] * q[e(m), n, k]`` in float32,
+    rounded once to ``out_dtype``. Rows are sorted by expert: expert ``e`` owns the ``group_sizes[e]``
+    rows after those of expert ``e - 1``.
+
+    Args:
+      x: float8_e4m3fn [M, K], K a multiple of 128.
+      x_scale: float32 activation dequant scale: a scalar (per tensor), [M] (per token) or
+        [M, K // 128] (per token and 128-channel group).
+      w: int8 (or uint8) packed int4 weights [E, N, K // 2] (see :func:`jax_w4a8.quant.pack_int4`).
+      w_scale: float32 or bfloat16 [E, N, K // 128] weight dequant scales.
+      group_sizes: int32 [E] rows per expert, device data. Negative entries count as 0 and the
+        running total is cut at M: no row outside [0, M) is ever touched. Rows at or past the
+        (clamped) total are padding and come back as 0.
+      out_dtype: bfloat16 (default) or float32; float16 is refused.
+      impl: "auto", "ffi" or "reference" (module docstring).
+    Returns:
+      out_dtype [M, N].
+    Raises:
+      TypeError / ValueError naming the argument, at trace time, before any kernel runs.
+    """
+    op = "w4a8_grouped_gemm"
+    _check_impl(op, impl)
+    out_dtype = _check_out_dtype(op, out_dtype)
+    x, x_scale, w, w_scale, group_sizes = map(jnp.asarray, (x, x_scale, w, w_scale, group_sizes))
+    _check_dtype(op, "x", x, [jnp.float8_e4m3fn])
+    if x.ndim != 2:
+        _fail(op, "x", f"must be 2-D [M, K], got shape {x.shape}")
+    m, k = x.shape
+    if k == 0 or k % 128:
+        _fail(op, "x", f"must have K (its last axis) a positive multiple of 128, got K={k}")
+    _check_dtype(op, "w", w, [jnp.int8, jnp.uint8])
+    if w.ndim != 3:
+        _fail(op, "w", f"must be 3-D packed int4 [E, N, K/2], got shape {w.shape}")
+    e, n, half_k = w.shape
+    if half_k * 2 != k:
+        _fail(op, "w", f"must have last axis K/2 = {k // 2} to match x (K={k}), got {half_k}")
+    if e == 0 or n == 0:
+        _fail(op, "w", f"must have at least one expert and one output column, got shape {w.shape}")
+    _check_dtype(op, "w_scale", w_scale, [jnp.float32, jnp.bfloat16])
+    _check_shape(op, "w_scale", w_scale, (e, n, k // 128), "[E, N, K/128]")
+    _check_dtype(op, "group_sizes", group_sizes, [jnp.int32])
+    _check_shape(op, "group_sizes", group_sizes, (e,), "[E], one entry per expert of w")
+    _check_dtype(op, "x_scale", x_scale, [jnp.float32])
+    if x_scale.size == 1 and x_scale.ndim <= 1:
+        x_scale = x_scale.reshape(1)
+    elif x_scale.shape not in ((m,), (m, k // 128)):
+        _fail(op, "x_scale", f"must be a scalar, [M]={(m,)} or [M, K/128]={(m, k // 128)}, "
+              f"got shape {x_scale.shape}")
+
+    def ffi_fn(x, x_scale, w, w_scale, group_sizes):
+        call = jax.ffi.ffi_call(TARGETS["w4a8_grouped_gemm"], jax.ShapeDtypeStruct((m, n), out_dtype),
+                                vmap_method="sequential")
+        return call(x, x_scale, w, w_scale, group_sizes)
+
+    ref_fn = functools.partial(reference.w4a8_grouped_gemm, out_dtype=out_dtype)
+    return _dispatch(impl, ffi_fn, ref_fn, x, x_scale, w, w_scale, group_sizes)
+
+
+# ----------------------------------------------------------------------------------------------
+# UE8M0 scale packing
+# ----------------------------------------------------------------------------------------------
+def _raise_if_inexact(ok, arg):
+    ok = np.asarray(ok)
+    if not ok.all():
+        bad = int(np.size(ok) - np.count_nonzero(ok))
+        raise ValueError(f"pack_ue8m0: argument '{arg}' is declared UE8M0 but {bad} value(s) are not "
+                         "positive powers of two in [2**-126, 2**127] (sign or mantissa bits set); "
+                         "round with jax_w4a8.quant.ceil_to_ue8m0 *before* quantizing")
+
+
+def pack_ue8m0(scale, *, arg: str = "scale", impl="auto"):
+    """float32 scales that must be exact powers of two -> uint8 UE8M0 codes (masked exponent bytes).
+
+    A value with its sign or any mantissa bit set, zero, a subnormal, Inf or NaN is an error, never a
+    NaN code: eagerly a ``ValueError`` naming ``arg``; under ``jit`` the handler (or, on the
+    reference path, a host callback) fails the computation with the same message.
+
+    Args:
+      scale: float32, any shape.
+    Returns:
+      uint8, same shape.
+    """
+    op = "pack_ue8m0"
+    _check_impl(op, impl)
+    scale = jnp.asarray(scale)
+    _check_dtype(op, arg, scale, [jnp.float32])
+    codes = quant.encode_ue8m0(scale)
+    if _is_concrete(scale):
+        _raise_if_inexact(quant.is_ue8m0_exact(scale), arg)
+        return codes
+
+    def ffi_fn(s):
+        return jax.ffi.ffi_call(TARGETS["ue8m0_pack"], jax.ShapeDtypeStruct(s.shape, jnp.uint8),
+                                vmap_method="broadcast_all")(s, arg=arg)
+
+    def ref_fn(s):
+        jax.debug.callback(functools.partial(_raise_if_inexact, arg=arg), quant.is_ue8m0_exact(s))
+        return quant.encode_ue8m0(s)
+
+    return _dispatch(impl, ffi_fn, ref_fn, scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8 block-scaled einsum
+# ----------------------------------------------------------------------------------------------
+_EQ = re.compile(r"^\s*([a-zA-Z]+)\s*,\s*([a-zA-Z]+)\s*->\s*([a-zA-Z]+)\s*$")
+
+
+def _parse_equation(equation: str) -> int:
+    """Returns 2 for the ``md,nd->mn`` structure and 3 for ``bhr,hdr->bhd`` (any letters)."""
+    match = _EQ.match(equation) if isinstance(equation, str) else None
+    if match:
+        a, b, c = match.groups()
+        distinct = len(set(a + b)) == len(a + b) - (1 if len(a) == 2 else 2)
+        if len(a) == len(b) == len(c) == 2 and distinct and a[1] == b[1] and c == a[0] + b[0]:
+            return 2
+        if (len(a) == len(b) == len(c) == 3 and distinct and a[1] == b[0] and a[2] == b[2]
+                and c == a[0] + a[1] + b[1]):
+            return 3
+    raise ValueError(f"fp8_einsum: argument 'equation' must have the structure 'md,nd->mn' (a linear "
+                     f"layer) or 'bhr,hdr->bhd' (per-head batched; 'tgd,grd->tgr' is the same), "
+                     f"got {equation!r}")
+
+
+def _scale_operand(op, arg, s, ue8m0, impl):
+    if s.dtype in _SCALE_CODE_DTYPES:
+        if _is_concrete(s):
+            codes = np.asarray(jax.lax.bitcast_convert_type(s, jnp.uint8) if s.dtype != jnp.uint8 else s)
+            if (codes == 0xFF).any():
+                _fail(op, arg, "holds UE8M0 code 0xFF, which is NaN")
+        return s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
+    _check_dtype(op, arg, s, [jnp.float32, jnp.uint8, jnp.float8_e8m0fnu])
+    return pack_ue8m0(s, arg=arg, impl=impl) if ue8m0 else s
+
+
+def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m0=False, impl="auto"):
+    """FP8 block-scaled einsum (DeepGEMM ``fp8_einsum`` contract, SPEC 4.2).
+
+    ``D = sum_kb sx[., kb] * sw[., kb] * sum_{k in kb} x8 * w8`` in float32, rounded once.
+
+    Equations (letters are free, the structure is fixed):
+
+    * ``"md,nd->mn"``: x [M, K], x_scale [M, K/128]; w [N, K], w_scale [ceil(N/128), K/128]
+      (recipe (1, 128, 128), DeepSeek-V3 weight blocks) or [N, K/128] (recipe (1, 1, 128)).
+      Returns [M, N].
+    * ``"bhr,hdr->bhd"``: x [B, H, R], x_scale [B, H, R/128]; w [H, D, R], w_scale
+      [H, ceil(D/128), R/128] or [H, D, R/128]. Returns [B, H, D]. DeepSeek-V4 writes it
+      ``"tgd,grd->tgr"``.
+
+    The contracted size (K or R) must be a multiple of 128; M, N, B, H, D are free.
+
+    Scales: float32 multipliers, or UE8M0 codes (uint8 / ``float8_e8m0fnu``) applied as exact powers
+    of two. ``ue8m0=True`` declares float32 scales to be powers of two: they are packed into codes
+    with a mask, and any value with sign or mantissa bits is rejected (never turned into NaN).
+
+    Args:
+      x, w: float8_e4m3fn operands; out_dtype: bfloat16 or float32; impl: "auto" | "ffi" | "reference".
+    """
+    op = "fp8_einsum"
+    rank = _parse_equation(equation)
+    _check_impl(op, impl)
+    out_dtype = _check_out_dtype(op, out_dtype)
+    x, x_scale, w, w_scale = map(jnp.asarray, (x, x_scale, w, w_scale))
+    _check_dtype(op, "x", x, [jnp.float8_e4m3fn])
+    _check_dtype(op, "w", w, [jnp.float8_e4m3fn])
+    if x.ndim != rank:
+        _fail(op, "x", f"must be {rank}-D for {equation!r}, got shape {x.shape}")
+    if w.ndim != rank:
+        _fail(op, "w", f"must be {rank}-D for {equation!r}, got shape {w.shape}")
+    if rank == 2:
+        (m, k), (n, kw), h = x.shape, w.shape, None
+    else:
+        (m, h, k), (hw, n, kw) = x.shape, w.shape
+        if hw != h:
+            _fail(op, "w", f"must have {h} heads on axis 0 to match x, got shape {w.shape}")
+    if k == 0 or k % 128:
+        _fail(op, "x", f"must have its contracted axis a positive multiple of 128, got {k}")
+    if kw != k:
+        _fail(op, "w", f"must have contracted size {k} (as x), got shape {w.shape}")
+    if n == 0:
+        _fail(op, "w", f"must have at least one output row, got shape {w.shape}")
+    lead = () if h is None else (h,)
+    g = k // 128
+    x_scale_shape = (m, g) if h is None else (m, h, g)
+    _check_dtype(op, "x_scale", x_scale, [jnp.float32, jnp.uint8, jnp.float8_e8m0fnu])
+    _check_shape(op, "x_scale", x_scale, x_scale_shape, "one scale per row and 128-wide K block")
+    _check_dtype(op, "w_scale", w_scale, [jnp.float32, jnp.uint8, jnp.float8_e8m0fnu])
+    block_shape, row_shape = lead + (-(-n // 128), g), lead + (n, g)
+    if tuple(w_scale.shape) not in (block_shape, row_shape):
+        _fail(op, "w_scale", f"must have shape {block_shape} (128x128 blocks) or {row_shape} "
+              f"(per row), got {tuple(w_scale.shape)}")
+    x_scale = _scale_operand(op, "x_scale", x_scale, ue8m0, impl)
+    w_scale = _scale_operand(op, "w_scale", w_scale, ue8m0, impl)
+
+    # Canonical batched form: x [M, H, K], w [H, N, K].
+    if h is None:
+        x, x_scale, w, w_scale = x[:, None], x_scale[:, None], w[None], w_scale[None]
+    hh = x.shape[1]
+
+    def ffi_fn(x, x_scale, w, w_scale):
+        call = jax.ffi.ffi_call(TARGETS["fp8_einsum"], jax.ShapeDtypeStruct((m, hh, n), out_dtype),
+                                vmap_method="sequential")
+        return call(x, x_scale, w, w_scale)
+
+    ref_fn = functools.partial(reference.fp8_einsum, out_dtype=out_dtype)
+    out = _dispatch(impl, ffi_fn, ref_fn, x, x_scale, w, w_scale)
+    return out[:, 0] if h is None else out

@@ -1,0 +1,271 @@
+"""Number formats and quantizers of DeepSeek W4A8 / FP8 checkpoints, in plain ``jnp``.
+
+Every function here is jit-able and works on any leading batch axes. Formats (SPEC section 2):
+
+* int4 codes: signed two's complement in [-8, 7].
+* packed int4: two codes per int8 byte along the last axis, element ``2i`` in the **low** nibble and
+  ``2i + 1`` in the high nibble (TensorRT-LLM / sglang W4AFP8 layout).
+* fp8: ``float8_e4m3fn``, largest finite value 448, no Inf; every conversion here saturates.
+* UE8M0: one byte ``e`` meaning ``2**(e - 127)``; ``0xFF`` is NaN. These helpers never produce
+  ``0x00`` or ``0xFF``.
+
+Scales are always *dequantization multipliers*: ``value ~= code * scale``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "FP8_MAX",
+    "INT4_MAX",
+    "INT4_MIN",
+    "pack_int4",
+    "unpack_int4",
+    "quantize_w4",
+    "dequantize_w4",
+    "ceil_to_ue8m0",
+    "encode_ue8m0",
+    "decode_ue8m0",
+    "is_ue8m0_exact",
+    "quantize_fp8_groups",
+    "quantize_fp8_blocks",
+    "dequantize_fp8_blocks",
+    "quantize_fp8_tensor",
+]
+
+FP8_MAX = 448.0
+INT4_MIN, INT4_MAX = -8, 7
+AMAX_FLOOR = 1e-4
+_FP8 = jnp.float8_e4m3fn
+
+
+def _require(cond: bool, exc: type[Exception], msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+# ----------------------------------------------------------------------------------------------
+# int4
+# ----------------------------------------------------------------------------------------------
+def pack_int4(q):
+    """Packs int4 codes two per byte.
+
+    Args:
+      q: integer array [..., K] with values in [-8, 7]; K even.
+    Returns:
+      int8 [..., K // 2]; element ``2i`` in the low nibble, ``2i + 1`` in the high nibble.
+    Raises:
+      TypeError: ``q`` is not an integer array.
+      ValueError: K is odd, or (for concrete arrays) a value lies outside [-8, 7].
+    """
+    q = jnp.asarray(q)
+    _require(jnp.issubdtype(q.dtype, jnp.integer), TypeError,
+             f"pack_int4: q must be an integer array of int4 codes, got dtype {q.dtype}")
+    _require(q.ndim >= 1 and q.shape[-1] % 2 == 0, ValueError,
+             f"pack_int4: the last axis of q must have even length, got shape {q.shape}")
+    if _is_concrete(q) and q.size:
+        lo, hi = int(jnp.min(q)), int(jnp.max(q))
+        _require(INT4_MIN <= lo and hi <= INT4_MAX, ValueError,
+                 f"pack_int4: q holds values in [{lo}, {hi}], outside the int4 range [-8, 7]")
+    q = q.astype(jnp.int32)
+    low = q[..., 0::2] & 0xF
+    high = (q[..., 1::2] & 0xF) << 4
+    return jax.lax.convert_element_type((low | high) - (((low | high) & 0x80) << 1), jnp.int8)
+
+
+def unpack_int4(p):
+    """Unpacks bytes of two int4 codes (the inverse of :func:`pack_int4`).
+
+    Args:
+      p: int8 or uint8 [..., K // 2].
+    Returns:
+      int8 [..., K] codes in [-8, 7].
+    """
+    p = jnp.asarray(p)
+    _require(p.dtype in (jnp.int8, jnp.uint8), TypeError,
+             f"unpack_int4: p must be int8 or uint8 packed bytes, got dtype {p.dtype}")
+    b = p.astype(jnp.int32) & 0xFF
+    low = ((b & 0xF) ^ 8) - 8
+    high = ((b >> 4) ^ 8) - 8
+    out = jnp.stack([low, high], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+    return out.astype(jnp.int8)
+
+
+def _split_groups(x, group_size: int, name: str, fn: str):
+    _require(x.ndim >= 1, ValueError, f"{fn}: {name} must have at least one axis")
+    k = x.shape[-1]
+    _require(group_size > 0 and k % group_size == 0, ValueError,
+             f"{fn}: the last axis of {name} ({k}) must be a multiple of group_size={group_size}")
+    return x.reshape(*x.shape[:-1], k // group_size, group_size)
+
+
+def quantize_w4(w, group_size: int = 128):
+    """Quantizes weights to int4 with one scale per output row and ``group_size`` inputs.
+
+    TensorRT-LLM recipe: ``s = absmax / 7``, ``q = clip(round_half_even(w / s), -8, 7)``. An
+    all-zero group gets scale 0 and codes 0 (never NaN).
+
+    Args:
+      w: float [..., N, K]; K a multiple of ``group_size``.
+    Returns:
+      (packed int8 [..., N, K // 2], scales float32 [..., N, K // group_size]).
+    """
+    w = jnp.asarray(w)
+    _require(jnp.issubdtype(w.dtype, jnp.floating), TypeError,
+             f"quantize_w4: w must be a float array, got dtype {w.dtype}")
+    _require(w.ndim >= 2, ValueError, f"quantize_w4: w must be [..., N, K], got shape {w.shape}")
+    g = _split_groups(w.astype(jnp.float32), group_size, "w", "quantize_w4")
+    s = jnp.max(jnp.abs(g), axis=-1) / INT4_MAX
+    safe = jnp.where(s > 0, s, 1.0)
+    q = jnp.clip(jnp.round(g / safe[..., None]), INT4_MIN, INT4_MAX).astype(jnp.int8)
+    return pack_int4(q.reshape(w.shape)), s
+
+
+def dequantize_w4(packed, scales, dtype=jnp.float32):
+    """``unpack_int4(packed) * scales`` per group: [..., N, K//2], [..., N, G] -> dtype [..., N, K]."""
+    q = unpack_int4(packed).astype(jnp.float32)
+    g = q.reshape(*q.shape[:-1], scales.shape[-1], -1)
+    return (g * scales.astype(jnp.float32)[..., None]).reshape(q.shape).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# UE8M0
+# ----------------------------------------------------------------------------------------------
+def _f32_bits(x):
+    return jax.lax.bitcast_convert_type(jnp.asarray(x, jnp.float32), jnp.uint32)
+
+
+def _ceil_exponent(x):
+    """The biased exponent of 2**ceil(log2|x|), clamped to [1, 254] (uint32)."""
+    b = _f32_bits(jnp.abs(jnp.asarray(x, jnp.float32)))
+    exp = (b >> 23) & 0xFF
+    e = exp + ((b & 0x7FFFFF) != 0).astype(jnp.uint32)
+    # Inf and NaN (exponent 255) map to the largest code, 0 and subnormals to the smallest.
+    e = jnp.where(exp == 0xFF, jnp.uint32(254), e)
+    return jnp.clip(e, 1, 254).astype(jnp.uint32)
+
+
+def ceil_to_ue8m0(x):
+    """Rounds ``|x|`` up to a power of two, bit-exactly (SPEC section 2).
+
+    ``2**ceil(log2|x|)`` as float32; 0 and subnormals give ``2**-126``, Inf and NaN ``2**127``.
+    Exact powers of two are returned unchanged.
+    """
+    return jax.lax.bitcast_convert_type(_ceil_exponent(x) << 23, jnp.float32)
+
+
+def encode_ue8m0(x):
+    """float32 -> uint8 UE8M0 codes of ``ceil_to_ue8m0(x)``: the masked exponent byte.
+
+    The code never is 0x00 or 0xFF. Non-powers of two round *up*, so quantize with
+    ``ceil_to_ue8m0(scale)`` before encoding to keep the quantization and dequantization scales equal.
+    """
+    return _ceil_exponent(x).astype(jnp.uint8)
+
+
+def decode_ue8m0(codes):
+    """uint8 or ``float8_e8m0fnu`` codes -> float32 ``2**(code - 127)``; code 0xFF gives NaN."""
+    codes = jnp.asarray(codes)
+    if codes.dtype == jnp.float8_e8m0fnu:
+        codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
+    _require(codes.dtype == jnp.uint8, TypeError,
+             f"decode_ue8m0: codes must be uint8 or float8_e8m0fnu, got dtype {codes.dtype}")
+    c = codes.astype(jnp.uint32)
+    bits = jnp.where(c == 0, jnp.uint32(0x00400000), c << 23)  # 2**-127 is an fp32 subnormal
+    bits = jnp.where(c == 0xFF, jnp.uint32(0x7FC00000), bits)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def is_ue8m0_exact(x):
+    """True where float32 ``x`` is exactly a UE8M0 value: positive, a power of two in [2**-126, 2**127]."""
+    b = _f32_bits(x)
+    exp = (b >> 23) & 0xFF
+    return ((b & jnp.uint32(0x807FFFFF)) == 0) & (exp >= 1) & (exp <= 254)
+
+
+# ----------------------------------------------------------------------------------------------
+# FP8
+# ----------------------------------------------------------------------------------------------
+def _to_fp8(y):
+    """Saturating round-to-nearest-even cast of float32 to e4m3 (NaN stays NaN)."""
+    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(_FP8)
+
+
+def _fp8_scale(amax, ue8m0: bool):
+    s = jnp.maximum(amax, AMAX_FLOOR) / FP8_MAX
+    return ceil_to_ue8m0(s) if ue8m0 else s
+
+
+def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
+    """Per-token, per-``group_size``-channel fp8 quantization (DeepSeek ``act_quant``).
+
+    ``amax = max(|x| over the group, 1e-4)``, ``s = amax / 448`` (rounded up to a power of two first
+    when ``ue8m0``), then ``x8 = e4m3(x / s)`` saturating.
+
+    Args:
+      x: float [..., K]; K a multiple of ``group_size``.
+    Returns:
+      (float8_e4m3fn [..., K], float32 scales [..., K // group_size]).
+    """
+    x = jnp.asarray(x)
+    _require(jnp.issubdtype(x.dtype, jnp.floating), TypeError,
+             f"quantize_fp8_groups: x must be a float array, got dtype {x.dtype}")
+    g = _split_groups(x.astype(jnp.float32), group_size, "x", "quantize_fp8_groups")
+    s = _fp8_scale(jnp.max(jnp.abs(g), axis=-1), ue8m0)
+    return _to_fp8(g / s[..., None]).reshape(x.shape), s
+
+
+def _pad_to(x, axis: int, multiple: int):
+    pad = (-x.shape[axis]) % multiple
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def quantize_fp8_blocks(w, block: int = 128, ue8m0: bool = False):
+    """fp8 weights with one scale per ``block x block`` tile (DeepSeek-V3 checkpoints).
+
+    Edge tiles are zero-padded before the amax; ``amax`` is floored at 1e-4 so an all-zero block gets a
+    finite scale and zero codes.
+
+    Args:
+      w: float [..., N, K].
+    Returns:
+      (float8_e4m3fn [..., N, K], float32 [..., ceil(N / block), ceil(K / block)]).
+    """
+    w = jnp.asarray(w)
+    _require(jnp.issubdtype(w.dtype, jnp.floating), TypeError,
+             f"quantize_fp8_blocks: w must be a float array, got dtype {w.dtype}")
+    _require(w.ndim >= 2, ValueError, f"quantize_fp8_blocks: w must be [..., N, K], got {w.shape}")
+    n, k = w.shape[-2:]
+    p = _pad_to(_pad_to(w.astype(jnp.float32), -1, block), -2, block)
+    nb, kb = p.shape[-2] // block, p.shape[-1] // block
+    t = p.reshape(*p.shape[:-2], nb, block, kb, block)
+    s = _fp8_scale(jnp.max(jnp.abs(t), axis=(-3, -1)), ue8m0)
+    q = _to_fp8(t / s[..., :, None, :, None]).reshape(p.shape)[..., :n, :k]
+    return q, s
+
+
+def dequantize_fp8_blocks(q, scales, block: int = 128, dtype=jnp.float32):
+    """Inverse of :func:`quantize_fp8_blocks`: [..., N, K] e4m3 and [..., NB, KB] -> dtype [..., N, K]."""
+    n, k = q.shape[-2:]
+    s = jnp.repeat(jnp.repeat(scales.astype(jnp.float32), block, axis=-2), block, axis=-1)
+    return (q.astype(jnp.float32) * s[..., :n, :k]).astype(dtype)
+
+
+def quantize_fp8_tensor(x, scale):
+    """Static per-tensor fp8: ``e4m3(clip(x / scale, -448, 448))``; ``scale`` a float32 scalar."""
+    x = jnp.asarray(x)
+    scale = jnp.asarray(scale, jnp.float32)
+    _require(scale.size == 1, ValueError,
+             f"quantize_fp8_tensor: scale must be a scalar, got shape {scale.shape}")
+    return _to_fp8(x.astype(jnp.float32) / scale.reshape(()))

@@ -1,0 +1,38 @@
+# Sourced by scripts/main.sh and scripts/test.sh: makes .venv (Python >= 3.12) and installs the
+# package in editable mode, rebuilding the FFI handlers when ffi/, CMakeLists.txt or pyproject.toml
+# changed since the last install. Set JAX_W4A8_PYTHON to pick the interpreter.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="${JAX_W4A8_VENV:-$ROOT/.venv}"
+
+find_python() {
+  local candidates=("${JAX_W4A8_PYTHON:-}" python3.13 python3.12 python3)
+  local c
+  for c in "${candidates[@]}" "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3 /usr/bin/python3.1[2-9]; do
+    [ -n "$c" ] || continue
+    if "$c" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then
+      echo "$c"; return 0
+    fi
+  done
+  echo "error: no Python >= 3.12 found (set JAX_W4A8_PYTHON)" >&2
+  return 1
+}
+
+if [ ! -x "$VENV/bin/python" ]; then
+  PY="$(find_python)"
+  echo "[jax_w4a8] creating $VENV with $("$PY" --version)"
+  "$PY" -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+fi
+PIP="$VENV/bin/python -m pip"
+export PIP_CONSTRAINT="$ROOT/scripts/constraints.txt"
+
+STAMP="$VENV/.jax_w4a8_build_stamp"
+HASH="$(cd "$ROOT" && cat pyproject.toml CMakeLists.txt scripts/constraints.txt $(find ffi -type f | sort) | sha256sum | cut -c1-16)"
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
+  echo "[jax_w4a8] installing build tools and the package (editable)"
+  $PIP install -q "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.30" "ninja>=1.11" "jax>=0.11.2"
+  $PIP install -q --no-build-isolation -e "$ROOT[test]"
+  echo "$HASH" > "$STAMP"
+fi
+export PATH="$VENV/bin:$PATH"

@@ -1,0 +1,67 @@
+"""Independent float64 numpy references (they share no code with jax_w4a8.reference)."""
+
+import ml_dtypes
+import numpy as np
+
+
+def unpack_int4(p):
+    b = np.asarray(p).astype(np.uint8)
+    lo = (b & 0xF).astype(np.int64)
+    hi = (b >> 4).astype(np.int64)
+    lo = np.where(lo >= 8, lo - 16, lo)
+    hi = np.where(hi >= 8, hi - 16, hi)
+    out = np.empty(b.shape[:-1] + (b.shape[-1] * 2,), np.int64)
+    out[..., 0::2], out[..., 1::2] = lo, hi
+    return out
+
+
+def f64(a):
+    a = np.asarray(a)
+    if a.dtype == np.uint8 or a.dtype == ml_dtypes.float8_e8m0fnu:
+        codes = a.view(np.uint8).astype(np.float64)
+        return np.where(codes == 255, np.nan, np.exp2(codes - 127.0))
+    return a.astype(np.float64)
+
+
+def grouped_gemm(x, x_scale, w, w_scale, group_sizes):
+    """out[m, n] = sum_g sa * sw * sum_k x * q, float64; rows by clamped group sizes."""
+    x = f64(x)
+    m, k = x.shape
+    q = unpack_int4(w).astype(np.float64)
+    e, n, _ = q.shape
+    g = k // 128
+    sa = f64(x_scale)
+    if sa.size == 1:
+        sa = np.full((m, g), sa.item())
+    elif sa.ndim == 1:
+        sa = np.repeat(sa[:, None], g, axis=1)
+    sw = f64(w_scale)
+    out = np.zeros((m, n))
+    start = 0
+    for i, size in enumerate(np.asarray(group_sizes)):
+        end = min(start + max(int(size), 0), m)
+        for r in range(start, end):
+            part = (x[r].reshape(g, 128)[None] * q[i].reshape(n, g, 128)).sum(-1)  # [n, g]
+            out[r] = (part * sa[r][None] * sw[i]).sum(-1)
+        start = end
+    return out
+
+
+def fp8_einsum_mhk(x, x_scale, w, w_scale):
+    """x [M, H, K], w [H, N, K]; w_scale [H, ceil(N/128), G] (blocks) or [H, N, G] (rows)."""
+    x, w = f64(x), f64(w)
+    m, h, k = x.shape
+    n = w.shape[1]
+    g = k // 128
+    sa, sb = f64(x_scale), f64(w_scale)
+    if sb.shape[1] != n:
+        sb = np.repeat(sb, 128, axis=1)[:, :n]
+    part = np.einsum("mhgk,hngk->mhng", x.reshape(m, h, g, 128), w.reshape(h, n, g, 128))
+    return np.einsum("mhng,mhg,hng->mhn", part, sa, sb)
+
+
+def rel_err(out, ref):
+    out = np.asarray(out, np.float64)
+    assert np.isfinite(out).all(), "output holds NaN or Inf"
+    denom = np.linalg.norm(ref)
+    return np.linalg.norm(out - ref) / (denom if denom else 1.0)

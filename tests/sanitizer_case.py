@@ -1,0 +1,43 @@
+"""A small GPU case of every CUDA handler, for compute-sanitizer (not a pytest file).
+
+    compute-sanitizer --tool memcheck --kernel-name kns=jax_w4a8 python tests/sanitizer_case.py
+
+Exercises edge tiles, padding rows, hostile group sizes and per-row / per-block scales; exits 1 if a
+result is wrong, so the sanitizer run also checks values.
+"""
+
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+import np_ref  # noqa: E402
+from jax_w4a8 import ops, quant  # noqa: E402
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    ok = True
+    w, ws = quant.quantize_w4(rng.standard_normal((3, 70, 256)).astype(np.float32))
+    x8, xs = quant.quantize_fp8_groups(rng.standard_normal((45, 256)).astype(np.float32))
+    for sizes in ([10, 0, 30], [-4, 2**31 - 1, 9], [0, 0, 0]):
+        args = (x8, xs, w, ws, jnp.asarray(sizes, jnp.int32))
+        out = jax.jit(lambda *a: ops.w4a8_grouped_gemm(*a, impl="ffi"))(*args)
+        ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3
+    for n, scales in ((200, "block"), (1, "row"), (576, "block")):
+        wf = rng.standard_normal((n, 384)).astype(np.float32)
+        w8, sw = quant.quantize_fp8_blocks(wf) if scales == "block" else quant.quantize_fp8_groups(wf)
+        a8, sa = quant.quantize_fp8_groups(rng.standard_normal((17, 384)).astype(np.float32), ue8m0=True)
+        out = jax.jit(lambda *a: ops.fp8_einsum("md,nd->mn", *a, impl="ffi"))(a8, quant.encode_ue8m0(sa), w8, sw)
+        ref = np_ref.fp8_einsum_mhk(a8[:, None], sa[:, None], w8[None], sw[None])[:, 0]
+        ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), ref) <= 4e-3
+    codes = jax.jit(lambda s: ops.pack_ue8m0(s, impl="ffi"))(jnp.array([1.0, 0.5, 8.0], jnp.float32))
+    ok &= np.asarray(codes).tolist() == [127, 126, 130]
+    print("sanitizer case:", "ok" if ok else "WRONG RESULTS")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

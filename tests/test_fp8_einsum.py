@@ -1,0 +1,181 @@
+"""ops.fp8_einsum and ops.pack_ue8m0 (SPEC 4.2): FFI handlers and reference vs float64 numpy."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import np_ref
+from conftest import run_poisoned
+from jax_w4a8 import ops, quant
+
+BF16_TOL = 4e-3
+
+
+def make_operands(rng, m, h, n, k, recipe="block", ue8m0=False, spread=4.0):
+    """x [M, H, K], w [H, N, K] and their scales, quantized with jax_w4a8.quant."""
+    x = (rng.standard_normal((m, h, k)) * np.exp2(rng.uniform(-spread, spread, (m, h, 1)))).astype(np.float32)
+    w = (rng.standard_normal((h, n, k)) * np.exp2(rng.uniform(-spread, spread, (h, n, 1)))).astype(np.float32)
+    x8, sx = quant.quantize_fp8_groups(x, ue8m0=ue8m0)
+    if recipe == "block":
+        w8, sw = quant.quantize_fp8_blocks(w, ue8m0=ue8m0)
+    else:
+        w8, sw = quant.quantize_fp8_groups(w, ue8m0=ue8m0)
+    return x8, sx, w8, sw
+
+
+def encode(s, encoding):
+    if encoding == "codes":
+        return quant.encode_ue8m0(s)
+    if encoding == "e8m0fnu":
+        return jax.lax.bitcast_convert_type(quant.encode_ue8m0(s), jnp.float8_e8m0fnu)
+    return s
+
+
+def run(equation, args, device, out_shape, out_dtype=jnp.bfloat16, ue8m0=False):
+    fn = functools.partial(ops.fp8_einsum, equation, out_dtype=out_dtype, ue8m0=ue8m0, impl="ffi")
+    return run_poisoned(fn, out_shape, out_dtype, args, device)
+
+
+@pytest.mark.parametrize("recipe", ["block", "row"])
+@pytest.mark.parametrize("encoding", ["f32", "codes", "e8m0fnu", "declared"])
+@pytest.mark.parametrize("m, n", [(1, 576), (37, 200), (130, 1)])
+def test_linear_matches_float64(rng, device, recipe, encoding, m, n):
+    ue = encoding != "f32"
+    x8, sx, w8, sw = make_operands(rng, m, 1, n, 384, recipe, ue8m0=ue)
+    ref = np_ref.fp8_einsum_mhk(x8, sx, w8, sw)[:, 0]
+    args = (x8[:, 0], encode(sx[:, 0], encoding), w8[0], encode(sw[0], encoding))
+    out = run("md,nd->mn", args, device, (m, n), ue8m0=encoding == "declared")
+    assert np_ref.rel_err(out, ref) <= BF16_TOL
+    ref_out = ops.fp8_einsum("md,nd->mn", *args, impl="reference", ue8m0=encoding == "declared",
+                             out_dtype=jnp.float32)
+    assert np_ref.rel_err(ref_out, ref) <= 1e-6
+
+
+@pytest.mark.parametrize("equation", ["bhr,hdr->bhd", "tgd,grd->tgr"])
+def test_per_head_b1_non_power_of_two_scales(rng, device, equation):
+    """DeepSeek-V4 wo_a at batch 1 with plain fp32 scales (the DeepGEMM UE8M0 NaN case)."""
+    b, h, r, d = 1, 16, 512, 256
+    x8, sx, w8, sw = make_operands(rng, b, h, d, r, "block")
+    assert not np.asarray(quant.is_ue8m0_exact(sx)).all()  # scales really are not powers of two
+    out = run(equation, (x8, sx, w8, sw), device, (b, h, d))
+    assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)) <= BF16_TOL
+
+
+@pytest.mark.parametrize("b, recipe, encoding", [(3, "row", "codes"), (64, "block", "f32")])
+def test_per_head_batched(rng, device, b, recipe, encoding):
+    h, r, d = 4, 256, 130
+    x8, sx, w8, sw = make_operands(rng, b, h, d, r, recipe, ue8m0=encoding != "f32")
+    out = run("bhr,hdr->bhd", (x8, encode(sx, encoding), w8, encode(sw, encoding)), device, (b, h, d))
+    assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)) <= BF16_TOL
+
+
+def test_zero_rows_and_fp8_limits(rng, device):
+    m, n, k = 9, 64, 256
+    x8, sx, w8, sw = make_operands(rng, m, 1, n, k, spread=0)
+    x8 = x8.at[3].set(0).at[5].set(448.0).at[6].set(-448.0)  # all-zero row, rows at the e4m3 limit
+    w8 = w8.at[7].set(448.0)
+    args = (x8[:, 0], sx[:, 0], w8[0], sw[0])
+    out = run("md,nd->mn", args, device, (m, n), out_dtype=jnp.float32)
+    ref = np_ref.fp8_einsum_mhk(x8, sx, w8, sw)[:, 0]
+    assert np_ref.rel_err(out, ref) <= 1e-6
+    assert (out[3] == 0).all()
+
+
+def test_declared_ue8m0_with_mantissa_is_rejected(rng, device):
+    x8, sx, w8, sw = make_operands(rng, 4, 1, 8, 128)
+    args = (x8[:, 0], quant.ceil_to_ue8m0(sx[:, 0]), w8[0], sw[0])  # w_scale is not a power of two
+    with pytest.raises(ValueError, match="'w_scale'.*UE8M0"):
+        ops.fp8_einsum("md,nd->mn", *args, ue8m0=True)
+    f = jax.jit(functools.partial(ops.fp8_einsum, "md,nd->mn", ue8m0=True))
+    dev_args = [jax.device_put(a, device) for a in args]
+    with pytest.raises(Exception, match="'w_scale' is declared UE8M0"):
+        jax.block_until_ready(f(*dev_args))
+    g = jax.jit(functools.partial(ops.fp8_einsum, "md,nd->mn", ue8m0=True, impl="reference"))
+    with pytest.raises(Exception, match="UE8M0"):
+        jax.block_until_ready(g(*dev_args))
+    # Rounded scales pass and give the right answer.
+    args = (args[0], args[1], args[2], quant.ceil_to_ue8m0(sw[0]))
+    out = np.asarray(f(*[jax.device_put(a, device) for a in args]).astype(jnp.float32))
+    ref = np_ref.fp8_einsum_mhk(x8, args[1][:, None], w8, args[3][None])[:, 0]
+    assert np_ref.rel_err(out, ref) <= BF16_TOL
+
+
+def test_pack_ue8m0(device):
+    s = np.array([1.0, 0.5, 2.0 ** -126, 2.0 ** 127, 1024.0], np.float32)
+    codes = np.asarray(jax.jit(ops.pack_ue8m0)(jax.device_put(s, device)))
+    assert codes.tolist() == [127, 126, 1, 254, 137]
+    for bad in (0.75, -1.0, 0.0, np.inf, np.nan, 2.0 ** -127):
+        with pytest.raises(ValueError, match="'scale'"):
+            ops.pack_ue8m0(np.array([1.0, bad], np.float32))
+        with pytest.raises(Exception, match="declared UE8M0"):
+            jax.block_until_ready(jax.jit(ops.pack_ue8m0)(jax.device_put(np.array([1.0, bad], np.float32), device)))
+
+
+def test_nan_code_is_rejected(rng):
+    x8, sx, w8, sw = make_operands(rng, 2, 1, 8, 128, ue8m0=True)
+    codes = np.asarray(quant.encode_ue8m0(sw[0])).copy()
+    codes[0, 0] = 0xFF
+    with pytest.raises(ValueError, match="'w_scale'.*NaN"):
+        ops.fp8_einsum("md,nd->mn", x8[:, 0], sx[:, 0], w8[0], codes)
+
+
+@pytest.mark.gpu
+def test_deepseek_shapes_on_gpu(rng, device):
+    if device.platform != "gpu":
+        pytest.skip("GPU-sized case")
+    x8, sx, w8, sw = make_operands(rng, 64, 1, 1536, 7168)  # q_a_proj at 64 tokens
+    out = run("md,nd->mn", (x8[:, 0], sx[:, 0], w8[0], sw[0]), device, (64, 1536))
+    assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)[:, 0]) <= BF16_TOL
+    x8, sx, w8, sw = make_operands(rng, 1, 16, 1024, 4096, ue8m0=True)  # V4-Pro wo_a, b = 1
+    out = run("bhr,hdr->bhd", (x8, quant.encode_ue8m0(sx), w8, quant.encode_ue8m0(sw)), device, (1, 16, 1024))
+    assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)) <= BF16_TOL
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _good(rng):
+    x8, sx, w8, sw = make_operands(rng, 4, 1, 8, 256)
+    return {"x": x8[:, 0], "x_scale": sx[:, 0], "w": w8[0], "w_scale": sw[0]}
+
+
+BAD = [
+    ("x", lambda a: a["x"].astype(jnp.bfloat16), TypeError, "'x'"),
+    ("x", lambda a: a["x"][:, :200], ValueError, "'x'"),
+    ("w", lambda a: a["w"][:, :128], ValueError, "'w'"),
+    ("w", lambda a: a["w"].astype(jnp.float8_e5m2), TypeError, "'w'"),
+    ("x_scale", lambda a: a["x_scale"][:3], ValueError, "'x_scale'"),
+    ("x_scale", lambda a: a["x_scale"].astype(jnp.bfloat16), TypeError, "'x_scale'"),
+    ("w_scale", lambda a: a["w_scale"][:, :1], ValueError, "'w_scale'"),
+    ("w_scale", lambda a: jnp.ones((5, 2), jnp.float32), ValueError, "'w_scale'"),
+]
+
+
+@pytest.mark.parametrize("arg, mutate, exc, text", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_inputs_name_the_argument(rng, arg, mutate, exc, text):
+    a = _good(rng)
+    a[arg] = mutate(a)
+    with pytest.raises(exc, match=text):
+        ops.fp8_einsum("md,nd->mn", a["x"], a["x_scale"], a["w"], a["w_scale"])
+
+
+@pytest.mark.parametrize("equation", ["mk,kn->mn", "md,nd->nm", "bhr,hrd->bhd", "ab,cd->ac", "md,nd"])
+def test_bad_equations(rng, equation):
+    a = _good(rng)
+    with pytest.raises(ValueError, match="'equation'"):
+        ops.fp8_einsum(equation, a["x"], a["x_scale"], a["w"], a["w_scale"])
+
+
+def test_float16_output_refused(rng):
+    a = _good(rng)
+    with pytest.raises(ValueError, match="float16"):
+        ops.fp8_einsum("md,nd->mn", *a.values(), out_dtype=jnp.float16)
+    assert np.isfinite(np.asarray(ops.fp8_einsum("md,nd->mn", *a.values()).astype(jnp.float32))).all()
+
+
+def test_e8m0fnu_dtype_scales_decode_exactly():
+    s = np.array([0.25, 8.0], ml_dtypes.float8_e8m0fnu)
+    from jax_w4a8 import reference
+    np.testing.assert_array_equal(np.asarray(reference.scale_to_f32(jnp.asarray(s))), [0.25, 8.0])

@@ -1,0 +1,226 @@
+"""jax_w4a8.quant: formats and quantizers against independent numpy implementations."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import np_ref
+from jax_w4a8 import quant
+
+F32_MAX = np.finfo(np.float32).max
+TINY = np.finfo(np.float32).tiny  # 2**-126
+
+
+# ------------------------------------------------------------------------------------------ int4
+def test_pack_nibble_order():
+    # element 2i in the low nibble, 2i+1 in the high nibble: [1, -2] -> 0xE1
+    p = quant.pack_int4(jnp.array([[1, -2, -8, 7]], jnp.int8))
+    assert p.dtype == jnp.int8
+    assert np.asarray(p).view(np.uint8).tolist() == [[0xE1, 0x78]]
+
+
+def test_pack_unpack_round_trip(rng):
+    q = rng.integers(-8, 8, size=(3, 5, 256)).astype(np.int8)
+    p = quant.pack_int4(q)
+    assert p.shape == (3, 5, 128)
+    np.testing.assert_array_equal(np.asarray(quant.unpack_int4(p)), q)
+    np.testing.assert_array_equal(np_ref.unpack_int4(np.asarray(p)), q)  # independent unpacker
+    np.testing.assert_array_equal(np.asarray(quant.unpack_int4(np.asarray(p).view(np.uint8))), q)
+
+
+def test_pack_under_jit(rng):
+    q = rng.integers(-8, 8, size=(4, 64)).astype(np.int8)
+    np.testing.assert_array_equal(np.asarray(jax.jit(quant.pack_int4)(q)), np.asarray(quant.pack_int4(q)))
+
+
+@pytest.mark.parametrize("bad, exc, text", [
+    (np.array([[1, 2, 3]], np.int8), ValueError, "even"),
+    (np.array([[8, 0]], np.int8), ValueError, "outside the int4 range"),
+    (np.array([[-9, 0]], np.int32), ValueError, "outside the int4 range"),
+    (np.array([[1.0, 2.0]], np.float32), TypeError, "integer"),
+])
+def test_pack_rejects(bad, exc, text):
+    with pytest.raises(exc, match=text):
+        quant.pack_int4(bad)
+
+
+def _np_quantize_w4(w, g=128):
+    w = w.astype(np.float64).reshape(*w.shape[:-1], -1, g)
+    s = np.abs(w).max(-1) / 7.0
+    q = np.clip(np.rint(w / np.where(s > 0, s, 1.0)[..., None]), -8, 7)
+    return q.reshape(*w.shape[:-2], -1).astype(np.int64), s
+
+
+def test_quantize_w4_matches_trtllm_recipe(rng):
+    w = rng.standard_normal((2, 16, 384)).astype(np.float32) * 0.05
+    packed, s = quant.quantize_w4(w)
+    assert packed.shape == (2, 16, 192) and packed.dtype == jnp.int8
+    assert s.shape == (2, 16, 3) and s.dtype == jnp.float32
+    q_ref, s_ref = _np_quantize_w4(w)
+    np.testing.assert_allclose(np.asarray(s), s_ref, rtol=1e-6)
+    q = np_ref.unpack_int4(np.asarray(packed))
+    # Codes equal except where float32 vs float64 division lands within rounding of a .5 tie.
+    ratio = w.astype(np.float64).reshape(2, 16, 3, 128) / s_ref[..., None]
+    near_tie = np.abs(np.abs(ratio - np.floor(ratio)) - 0.5).reshape(q.shape) < 1e-5
+    assert np.array_equal(q[~near_tie], q_ref[~near_tie])
+    assert q.min() >= -8 and q.max() <= 7 and (np.abs(q) == 7).any()
+    deq = np.asarray(quant.dequantize_w4(packed, s))
+    bound = np.repeat(np.asarray(s), 128, axis=-1) * 0.5 * (1 + 1e-6)
+    assert (np.abs(deq - w) <= bound + 1e-12).all()
+
+
+def test_quantize_w4_zero_group_is_finite():
+    w = np.zeros((2, 256), np.float32)
+    w[1, 128:] = np.linspace(-1, 1, 128)
+    packed, s = quant.quantize_w4(w)
+    assert np.isfinite(np.asarray(s)).all()
+    assert np.asarray(s)[0].tolist() == [0.0, 0.0] and np.asarray(s)[1, 0] == 0.0
+    q = np_ref.unpack_int4(np.asarray(packed))
+    assert (q[0] == 0).all() and (q[1, :128] == 0).all()
+    assert np.isfinite(np.asarray(quant.dequantize_w4(packed, s))).all()
+
+
+def test_quantize_w4_rejects_bad_group():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        quant.quantize_w4(np.zeros((4, 100), np.float32))
+
+
+# ----------------------------------------------------------------------------------------- UE8M0
+def _np_ceil_ue8m0(x):
+    """2**ceil(log2|x|) through frexp, clamped to [2**-126, 2**127]; Inf/NaN -> 2**127."""
+    x = np.abs(np.asarray(x, np.float64))
+    out = np.empty_like(x)
+    for i, v in np.ndenumerate(x):
+        if not np.isfinite(v):
+            out[i] = 2.0 ** 127
+            continue
+        if v == 0:
+            out[i] = 2.0 ** -126
+            continue
+        m, e = np.frexp(v)  # v = m * 2**e, m in [0.5, 1)
+        p = e - 1 if m == 0.5 else e
+        out[i] = 2.0 ** min(max(p, -126), 127)
+    return out
+
+
+SPECIALS = np.array([
+    0.0, -0.0, 1e-45, TINY / 2, TINY, TINY * 1.5, 2.0 ** -127,
+    1.0, np.nextafter(np.float32(1), np.float32(2)), np.nextafter(np.float32(1), np.float32(0)),
+    0.75, 3.0, -3.0, 448.0, 1e-4 / 448, 2.0 ** 127, np.nextafter(np.float32(2.0 ** 127), np.float32(0)),
+    F32_MAX, np.inf, -np.inf, np.nan,
+], np.float32)
+
+
+def test_ceil_to_ue8m0_specials():
+    got = np.asarray(quant.ceil_to_ue8m0(SPECIALS)).astype(np.float64)
+    np.testing.assert_array_equal(got, _np_ceil_ue8m0(SPECIALS))
+    # Spot checks written out by hand.
+    assert got[0] == 2.0 ** -126 and got[2] == 2.0 ** -126  # 0, subnormal
+    assert got[7] == 1.0 and got[8] == 2.0 and got[9] == 1.0  # 1 exact, neighbours
+    assert got[12] == 4.0  # sign dropped
+    assert got[17] == 2.0 ** 127 and got[18] == 2.0 ** 127 and got[20] == 2.0 ** 127  # max, Inf, NaN
+
+
+def test_ceil_to_ue8m0_powers_of_two_unchanged():
+    p = np.exp2(np.arange(-126, 128, dtype=np.float64)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(quant.ceil_to_ue8m0(p)), p)
+    up = np.nextafter(p[:-1], np.float32(np.inf))
+    np.testing.assert_array_equal(np.asarray(quant.ceil_to_ue8m0(up)), p[1:])
+
+
+def test_ceil_to_ue8m0_random(rng):
+    x = (rng.standard_normal(4096) * np.exp2(rng.uniform(-140, 126, 4096))).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(quant.ceil_to_ue8m0(x)).astype(np.float64), _np_ceil_ue8m0(x))
+
+
+def test_encode_decode_ue8m0(rng):
+    x = np.concatenate([SPECIALS, (rng.standard_normal(2048) * np.exp2(rng.uniform(-130, 126, 2048))).astype(np.float32)])
+    codes = np.asarray(quant.encode_ue8m0(x))
+    assert codes.dtype == np.uint8
+    assert codes.min() >= 1 and codes.max() <= 254, "codes 0x00 and 0xFF must never be produced"
+    np.testing.assert_array_equal(np.asarray(quant.decode_ue8m0(codes)).astype(np.float64), _np_ceil_ue8m0(x))
+    # The mantissa of a non-power-of-two never leaks into the byte (the DeepGEMM packing bug).
+    v = np.float32(0.0123)
+    assert int(np.asarray(quant.encode_ue8m0(v))) == 127 - 6  # 2**-6 = 0.015625 >= 0.0123
+
+
+def test_decode_ue8m0_codes():
+    got = np.asarray(quant.decode_ue8m0(np.array([0, 1, 127, 128, 254, 255], np.uint8)))
+    assert got[0] == np.float32(2.0 ** -127) and got[1] == np.float32(2.0 ** -126)
+    assert got[2] == 1.0 and got[3] == 2.0 and got[4] == np.float32(2.0 ** 127) and np.isnan(got[5])
+    e8 = np.array([0.5, 4.0], ml_dtypes.float8_e8m0fnu)
+    np.testing.assert_array_equal(np.asarray(quant.decode_ue8m0(e8)), [0.5, 4.0])
+
+
+def test_is_ue8m0_exact():
+    vals = np.array([1.0, 0.5, 2.0 ** -126, 2.0 ** 127, 0.75, -1.0, 0.0, TINY / 2, np.inf, np.nan], np.float32)
+    assert np.asarray(quant.is_ue8m0_exact(vals)).tolist() == [True] * 4 + [False] * 6
+
+
+# ------------------------------------------------------------------------------------------- FP8
+def _e4m3(x64):
+    """Reference saturating e4m3 cast (round to nearest even)."""
+    return np.clip(x64, -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_quantize_fp8_groups(rng, ue8m0):
+    x = (rng.standard_normal((5, 384)) * np.exp2(rng.uniform(-8, 8, (5, 1)))).astype(np.float32)
+    x[0, :128] = 0.0  # all-zero group: amax floored at 1e-4
+    x8, s = quant.quantize_fp8_groups(x, ue8m0=ue8m0)
+    assert x8.dtype == jnp.float8_e4m3fn and x8.shape == x.shape
+    assert s.dtype == jnp.float32 and s.shape == (5, 3)
+    amax = np.maximum(np.abs(x.astype(np.float64)).reshape(5, 3, 128).max(-1), 1e-4)
+    s_ref = np.float32(amax.astype(np.float32) / np.float32(448))
+    if ue8m0:
+        s_ref = _np_ceil_ue8m0(s_ref).astype(np.float32)
+        assert np.asarray(quant.is_ue8m0_exact(s)).all()
+    # amax / 448 may differ from float64 by one float32 ulp (XLA may multiply by the reciprocal).
+    np.testing.assert_allclose(np.asarray(s), s_ref, rtol=0 if ue8m0 else 3e-7)
+    # Round the scale first, then quantize with it: the dequant scale is the quant scale.
+    q_ref = _e4m3(x.reshape(5, 3, 128) / np.asarray(s)[..., None]).reshape(x.shape)
+    np.testing.assert_array_equal(np.asarray(x8).view(np.uint8), q_ref.view(np.uint8))
+    assert np.asarray(s)[0, 0] == pytest.approx(s_ref[0, 0], rel=3e-7) and (np.asarray(x8)[0, :128].astype(np.float32) == 0).all()
+    deq = np.asarray(x8).astype(np.float64).reshape(5, 3, 128) * np.asarray(s)[..., None]
+    assert np.isfinite(deq).all()
+    # e4m3 keeps 3 mantissa bits: relative error <= 2**-4 on normal values.
+    mask = np.abs(x.reshape(5, 3, 128)) > np.asarray(s)[..., None] * 2.0 ** -6
+    assert (np.abs(deq - x.reshape(5, 3, 128))[mask] <= np.abs(x.reshape(5, 3, 128))[mask] * 2.0 ** -4 + 1e-30).all()
+
+
+def test_fp8_saturates_never_nan():
+    x = np.array([1e6, -1e6, 447.9, 448.0, 464.0, 1e-9], np.float32)
+    q = np.asarray(quant.quantize_fp8_tensor(x, np.float32(1.0))).astype(np.float32)
+    assert q.tolist()[:4] == [448.0, -448.0, 448.0, 448.0] and q[4] == 448.0
+    x8, s = quant.quantize_fp8_groups(np.full((1, 128), 3e38, np.float32))
+    assert np.isfinite(np.asarray(x8).astype(np.float32)).all() and np.isfinite(np.asarray(s)).all()
+
+
+def test_quantize_fp8_tensor_static(rng):
+    x = rng.standard_normal((7, 33)).astype(np.float32) * 10
+    s = np.float32(np.abs(x).max() / 448 * 0.5)  # half the range: some values saturate
+    got = np.asarray(quant.quantize_fp8_tensor(x, s)).view(np.uint8)
+    np.testing.assert_array_equal(got, _e4m3(x.astype(np.float32) / s).view(np.uint8))
+    with pytest.raises(ValueError, match="scalar"):
+        quant.quantize_fp8_tensor(x, np.ones(2, np.float32))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_quantize_fp8_blocks_edges(rng, ue8m0):
+    n, k = 200, 300  # partial blocks on both axes
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    w[128:, 256:] *= 1e-3  # the corner edge block: its amax must come from its own values
+    q, s = quant.quantize_fp8_blocks(w, ue8m0=ue8m0)
+    assert q.shape == (n, k) and s.shape == (2, 3)
+    padded = np.zeros((256, 384))
+    padded[:n, :k] = w
+    amax = np.maximum(np.abs(padded).reshape(2, 128, 3, 128).max(axis=(1, 3)), 1e-4)
+    s_ref = (amax.astype(np.float32) / np.float32(448)).astype(np.float32)
+    if ue8m0:
+        s_ref = _np_ceil_ue8m0(s_ref).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(s), s_ref, rtol=0 if ue8m0 else 3e-7)
+    deq = np.asarray(quant.dequantize_fp8_blocks(q, s))
+    big = np.repeat(np.repeat(np.asarray(s), 128, 0), 128, 1)[:n, :k]
+    assert (np.abs(deq - w) <= np.abs(w) * 2.0 ** -4 + big * 2.0 ** -9 + 1e-30).all()

@@ -1,0 +1,172 @@
+"""ops.w4a8_grouped_gemm (SPEC 4.1): FFI handlers (CPU, CUDA) and the reference vs float64 numpy."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import np_ref
+from conftest import run_poisoned
+from jax_w4a8 import ops, quant
+
+BF16_TOL = 4e-3  # SPEC section 7
+F32_TOL = 2e-6
+
+
+def make_case(rng, m, k, n, sizes, scale_kind="group", w_scale_dtype=jnp.float32):
+    e = len(sizes)
+    w = (rng.standard_normal((e, n, k)) * np.exp2(rng.uniform(-4, 2, (e, n, 1)))).astype(np.float32)
+    w_packed, w_scale = quant.quantize_w4(w)
+    x = (rng.standard_normal((m, k)) * np.exp2(rng.uniform(-3, 3, (m, 1)))).astype(np.float32)
+    if scale_kind == "group":
+        x8, x_scale = quant.quantize_fp8_groups(x)
+    elif scale_kind == "token":
+        x_scale = jnp.asarray(np.abs(x).max(-1) / 448, jnp.float32)
+        x8 = quant.quantize_fp8_tensor(x / np.asarray(x_scale)[:, None], 1.0)
+    else:
+        x_scale = jnp.asarray(np.abs(x).max() / 448, jnp.float32)
+        x8 = quant.quantize_fp8_tensor(x, x_scale)
+    return x8, x_scale, w_packed, w_scale.astype(w_scale_dtype), jnp.asarray(sizes, jnp.int32)
+
+
+def check(args, out, out_dtype):
+    ref = np_ref.grouped_gemm(*args)
+    tol = BF16_TOL if out_dtype == jnp.bfloat16 else F32_TOL
+    assert np_ref.rel_err(out, ref) <= tol
+    return ref
+
+
+def run_ffi(args, device, out_dtype=jnp.bfloat16):
+    m, n = args[0].shape[0], args[2].shape[1]
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=out_dtype, impl="ffi")
+    return run_poisoned(fn, (m, n), out_dtype, args, device)
+
+
+@pytest.mark.parametrize("scale_kind", ["tensor", "token", "group"])
+@pytest.mark.parametrize("w_scale_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
+def test_ffi_matches_float64(rng, device, scale_kind, w_scale_dtype, out_dtype):
+    m, e = 70, 5
+    sizes = rng.multinomial(m - 6, np.ones(e) / e)  # 6 padding rows at the end
+    sizes[rng.integers(e)] = 0  # at least one empty expert
+    sizes = np.append(sizes[:-1], m - 6 - sizes[:-1].sum())
+    args = make_case(rng, m, 384, 136, sizes, scale_kind, w_scale_dtype)
+    out = run_ffi(args, device, out_dtype)
+    check(args, out, out_dtype)
+    assert (out[m - 6:] == 0).all(), "padding rows must be exactly zero"
+
+
+@pytest.mark.parametrize("scale_kind", ["tensor", "token", "group"])
+def test_reference_matches_float64(rng, scale_kind):
+    args = make_case(rng, 33, 256, 40, [10, 0, 20, 1], scale_kind)
+    out = ops.w4a8_grouped_gemm(*args, impl="reference", out_dtype=jnp.float32)
+    check(args, np.asarray(out), jnp.float32)
+
+
+def test_auto_uses_ffi_and_agrees(rng):
+    args = make_case(rng, 20, 128, 24, [5, 15])
+    auto = jax.jit(ops.w4a8_grouped_gemm)(*args)
+    assert "jax_w4a8_w4a8_grouped_gemm" in jax.jit(ops.w4a8_grouped_gemm).lower(*args).as_text()
+    check(args, np.asarray(auto.astype(jnp.float32)), jnp.bfloat16)
+
+
+@pytest.mark.parametrize("sizes", [[0, 48, 0, 0], [48], [0, 0, 0], [1] * 48])
+def test_empty_and_single_expert(rng, device, sizes):
+    args = make_case(rng, 48, 256, 64, sizes)
+    out = run_ffi(args, device)
+    check(args, out, jnp.bfloat16)
+    if sum(sizes) == 0:
+        assert (out == 0).all()
+
+
+@pytest.mark.parametrize("sizes", [
+    [-5, 40, 30],               # negative entry counts as 0; the sum runs past M
+    [2**31 - 1, 2**31 - 1, 7],  # int32 extremes: the running end is cut at M
+    [-2**31, 3, -1, 4],         # most negative int32
+    [50, 60],                   # all rows in the first expert, the rest cut
+])
+def test_hostile_group_sizes_are_clamped(rng, device, sizes):
+    m = 37
+    args = make_case(rng, m, 128, 40, sizes)
+    out = run_ffi(args, device)
+    check(args, out, jnp.bfloat16)  # np_ref applies the documented clamping rule
+    covered = min(sum(max(s, 0) for s in sizes), m)
+    assert (out[covered:] == 0).all() and np.abs(out[:covered]).max() > 0
+
+
+def test_group_sizes_change_without_recompiling(rng):
+    args = list(make_case(rng, 32, 128, 16, [16, 16]))
+    f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, impl="ffi", out_dtype=jnp.float32))
+    for sizes in ([16, 16], [0, 32], [5, 3]):
+        args[4] = jnp.asarray(sizes, jnp.int32)
+        check(args, np.asarray(f(*args)), jnp.float32)
+    assert f._cache_size() == 1
+
+
+def test_fp16_overflow_regression(device):
+    """sglang issue 8493: true outputs beyond 65504 must come back finite and right (bf16 out)."""
+    m, k, n = 8, 256, 16
+    x8 = jnp.full((m, k), 448.0, jnp.float8_e4m3fn)
+    q = np.full((2, n, k), 7, np.int8)
+    q[1, ::2] = -8
+    w = quant.pack_int4(q)
+    w_scale = jnp.full((2, n, k // 128), 0.5, jnp.float32)
+    x_scale = jnp.full((m, k // 128), 2.0, jnp.float32)
+    args = (x8, x_scale, w, w_scale, jnp.array([4, 4], jnp.int32))
+    out = run_ffi(args, device)
+    ref = check(args, out, jnp.bfloat16)
+    assert np.abs(ref).max() > 65504 * 10 and np.isfinite(out).all()
+    assert np.asarray(ops.w4a8_grouped_gemm(*args, impl="reference").astype(jnp.float32)).max() > 65504
+    with pytest.raises(ValueError, match="float16"):
+        ops.w4a8_grouped_gemm(*args, out_dtype=jnp.float16)
+
+
+@pytest.mark.gpu
+def test_deepseek_shape_on_gpu(rng, device):
+    """A slice of DeepSeek-R1 gate+up (K = 7168) with skewed routing, on the CUDA handler."""
+    if device.platform != "gpu":
+        pytest.skip("GPU-sized case")
+    args = make_case(rng, 256, 7168, 512, [200, 0, 40, 1, 15, 0, 0, 0])
+    check(args, run_ffi(args, device), jnp.bfloat16)
+
+
+# ------------------------------------------------------------------------------------ bad input
+def _good(rng):
+    return dict(zip(["x", "x_scale", "w", "w_scale", "group_sizes"], make_case(rng, 16, 256, 8, [8, 8])))
+
+
+BAD = [
+    ("x", lambda a: a["x"].astype(jnp.bfloat16), TypeError, "'x'"),
+    ("x", lambda a: a["x"][:, :200], ValueError, "'x'"),
+    ("x", lambda a: a["x"][None], ValueError, "'x'"),
+    ("w", lambda a: a["w"].astype(jnp.int32), TypeError, "'w'"),
+    ("w", lambda a: a["w"][:, :, :64], ValueError, "'w'"),
+    ("w_scale", lambda a: a["w_scale"].astype(jnp.float16), TypeError, "'w_scale'"),
+    ("w_scale", lambda a: a["w_scale"][:, :4], ValueError, "'w_scale'"),
+    ("x_scale", lambda a: a["x_scale"][:, :1], ValueError, "'x_scale'"),
+    ("x_scale", lambda a: a["x_scale"].astype(jnp.bfloat16), TypeError, "'x_scale'"),
+    ("group_sizes", lambda a: a["group_sizes"].astype(jnp.int64 if jax.config.x64_enabled else jnp.uint32), TypeError, "'group_sizes'"),
+    ("group_sizes", lambda a: jnp.array([16], jnp.int32), ValueError, "'group_sizes'"),
+]
+
+
+@pytest.mark.parametrize("arg, mutate, exc, text", BAD, ids=[f"{b[0]}-{i}" for i, b in enumerate(BAD)])
+def test_bad_inputs_name_the_argument(rng, arg, mutate, exc, text):
+    a = _good(rng)
+    a[arg] = mutate(a)
+    with pytest.raises(exc, match=text):
+        ops.w4a8_grouped_gemm(**a)
+    with pytest.raises(exc, match=text):  # also at trace time under jit
+        jax.jit(ops.w4a8_grouped_gemm)(**a)
+
+
+def test_bad_options(rng):
+    a = _good(rng)
+    with pytest.raises(ValueError, match="'impl'"):
+        ops.w4a8_grouped_gemm(**a, impl="fast")
+    with pytest.raises(ValueError, match="'out_dtype'"):
+        ops.w4a8_grouped_gemm(**a, out_dtype=jnp.int32)
+    # The process survives and the op still works afterwards.
+    check(tuple(a.values()), np.asarray(ops.w4a8_grouped_gemm(**a).astype(jnp.float32)), jnp.bfloat16)
