@@ -71,8 +71,8 @@ def _dispatch(impl, ffi_fn, ref_fn, *args):
     """Runs ``ffi_fn`` or ``ref_fn`` on ``args`` by ``impl`` and the lowering platform."""
     if impl == "reference":
         return ref_fn(*args)
-    if impl == "ffi":
-        return ffi_fn(*args)
+    if impl == "ffi" or (ffi_available("cpu") and ffi_available("cuda")):
+        return ffi_fn(*args)  # every platform we lower for has a handler: no per-platform switch
     return jax.lax.platform_dependent(
         *args,
         cpu=ffi_fn if ffi_available("cpu") else ref_fn,

@@ -61,7 +61,7 @@ def run_poisoned(fn, out_shape, out_dtype, args, device):
     import jax.numpy as jnp
 
     args = [jax.device_put(a, device) for a in args]
-    poison = jax.device_put(jnp.full(out_shape, jnp.nan, out_dtype), device)
+    poison = jnp.full(out_shape, jnp.nan, out_dtype, device=device).block_until_ready()
     ptr = poison.unsafe_buffer_pointer()
     out = jax.jit(lambda p, *a: fn(*a), donate_argnums=0, keep_unused=True)(poison, *args)
     assert out.unsafe_buffer_pointer() == ptr, "the output did not land in the poisoned buffer"
