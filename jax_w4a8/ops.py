@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_w4a8 import quant, reference
+from jax_w4a8 import quant, reference, tiling
 from jax_w4a8._ffi import TARGETS, ffi_available
 
 __all__ = ["w4a8_grouped_gemm", "fp8_einsum", "pack_ue8m0"]
@@ -67,24 +67,27 @@ def _is_concrete(a) -> bool:
     return not isinstance(a, jax.core.Tracer)
 
 
-def _dispatch(impl, ffi_fn, ref_fn, *args):
-    """Runs ``ffi_fn`` or ``ref_fn`` on ``args`` by ``impl`` and the lowering platform."""
+def _dispatch(impl, cpu_fn, cuda_fn, ref_fn, *args, default=None):
+    """Runs the CPU or CUDA custom call, or the reference, by ``impl`` and the lowering platform.
+
+    ``default`` serves platforms without handlers of ours (the reference unless given).
+    """
     if impl == "reference":
         return ref_fn(*args)
-    if impl == "ffi" or (ffi_available("cpu") and ffi_available("cuda")):
-        return ffi_fn(*args)  # every platform we lower for has a handler: no per-platform switch
+    ffi = impl == "ffi"
     return jax.lax.platform_dependent(
         *args,
-        cpu=ffi_fn if ffi_available("cpu") else ref_fn,
-        cuda=ffi_fn if ffi_available("cuda") else ref_fn,
-        default=ref_fn,
+        cpu=cpu_fn if ffi or ffi_available("cpu") else ref_fn,
+        cuda=cuda_fn if ffi or ffi_available("cuda") else ref_fn,
+        default=default or ref_fn,
     )
 
 
 # ----------------------------------------------------------------------------------------------
 # W4A8 grouped GEMM
 # ----------------------------------------------------------------------------------------------
-def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bfloat16, impl="auto"):
+def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bfloat16, impl="auto",
+                      rows_per_expert=None, tile_tokens=None):
     """MoE grouped GEMM with int4 weights and fp8 activations (SPEC 4.1).
 
     ``out[m, n] = sum_g sa(m, g) * sw(e(m), n, g) * sum_{k in g} x[m, k] * q[e(m), n, k]`` in float32,
@@ -102,6 +105,9 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         (clamped) total are padding and come back as 0.
       out_dtype: bfloat16 (default) or float32; float16 is refused.
       impl: "auto", "ffi" or "reference" (module docstring).
+      rows_per_expert: optional hint of the expected rows per expert (default M / E) for the CUDA
+        tile choice; tile_tokens: force a token tile (16, 32, 64, 128, or 0 for the plain CUDA-core
+        kernel). See :mod:`jax_w4a8.tiling`. Neither changes the result beyond float32 summation order.
     Returns:
       out_dtype [M, N].
     Raises:
@@ -136,13 +142,20 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         _fail(op, "x_scale", f"must be a scalar, [M]={(m,)} or [M, K/128]={(m, k // 128)}, "
               f"got shape {x_scale.shape}")
 
-    def ffi_fn(x, x_scale, w, w_scale, group_sizes):
-        call = jax.ffi.ffi_call(TARGETS["w4a8_grouped_gemm"], jax.ShapeDtypeStruct((m, n), out_dtype),
+    plan = tiling.plan_grouped_gemm(m, e, n, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens)
+    out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
+
+    def cpu_fn(*args):
+        return jax.ffi.ffi_call(TARGETS["w4a8_grouped_gemm"], out_type, vmap_method="sequential")(*args)
+
+    def cuda_fn(*args):
+        call = jax.ffi.ffi_call(TARGETS["w4a8_grouped_gemm"],
+                                (out_type, jax.ShapeDtypeStruct((plan.scratch_bytes,), jnp.uint8)),
                                 vmap_method="sequential")
-        return call(x, x_scale, w, w_scale, group_sizes)
+        return call(*args, tile_tokens=np.int32(plan.tile_tokens), split_k=np.int32(plan.split_k))[0]
 
     ref_fn = functools.partial(reference.w4a8_grouped_gemm, out_dtype=out_dtype)
-    return _dispatch(impl, ffi_fn, ref_fn, x, x_scale, w, w_scale, group_sizes)
+    return _dispatch(impl, cpu_fn, cuda_fn, ref_fn, x, x_scale, w, w_scale, group_sizes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,7 +199,9 @@ def pack_ue8m0(scale, *, arg: str = "scale", impl="auto"):
         jax.debug.callback(functools.partial(_raise_if_inexact, arg=arg), quant.is_ue8m0_exact(s))
         return quant.encode_ue8m0(s)
 
-    return _dispatch(impl, ffi_fn, ref_fn, scale)
+    # Other platforms (no handlers) encode without the check: a host callback there would make every
+    # computation using this op effectful.
+    return _dispatch(impl, ffi_fn, ffi_fn, ref_fn, scale, default=quant.encode_ue8m0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -222,7 +237,8 @@ def _scale_operand(op, arg, s, ue8m0, impl):
     return pack_ue8m0(s, arg=arg, impl=impl) if ue8m0 else s
 
 
-def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m0=False, impl="auto"):
+def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m0=False, impl="auto",
+               tile_tokens=None):
     """FP8 block-scaled einsum (DeepGEMM ``fp8_einsum`` contract, SPEC 4.2).
 
     ``D = sum_kb sx[., kb] * sw[., kb] * sum_{k in kb} x8 * w8`` in float32, rounded once.
@@ -243,7 +259,8 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     with a mask, and any value with sign or mantissa bits is rejected (never turned into NaN).
 
     Args:
-      x, w: float8_e4m3fn operands; out_dtype: bfloat16 or float32; impl: "auto" | "ffi" | "reference".
+      x, w: float8_e4m3fn operands; out_dtype: bfloat16 or float32; impl: "auto" | "ffi" | "reference";
+      tile_tokens: force the CUDA token tile (see :mod:`jax_w4a8.tiling`; 0 = plain CUDA-core kernel).
     """
     op = "fp8_einsum"
     rank = _parse_equation(equation)
@@ -286,11 +303,18 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
         x, x_scale, w, w_scale = x[:, None], x_scale[:, None], w[None], w_scale[None]
     hh = x.shape[1]
 
-    def ffi_fn(x, x_scale, w, w_scale):
-        call = jax.ffi.ffi_call(TARGETS["fp8_einsum"], jax.ShapeDtypeStruct((m, hh, n), out_dtype),
+    plan = tiling.plan_fp8_einsum(m, hh, n, k, tile_tokens=tile_tokens)
+    out_type = jax.ShapeDtypeStruct((m, hh, n), out_dtype)
+
+    def cpu_fn(*args):
+        return jax.ffi.ffi_call(TARGETS["fp8_einsum"], out_type, vmap_method="sequential")(*args)
+
+    def cuda_fn(*args):
+        call = jax.ffi.ffi_call(TARGETS["fp8_einsum"],
+                                (out_type, jax.ShapeDtypeStruct((plan.scratch_bytes,), jnp.uint8)),
                                 vmap_method="sequential")
-        return call(x, x_scale, w, w_scale)
+        return call(*args, tile_tokens=np.int32(plan.tile_tokens), split_k=np.int32(plan.split_k))[0]
 
     ref_fn = functools.partial(reference.fp8_einsum, out_dtype=out_dtype)
-    out = _dispatch(impl, ffi_fn, ref_fn, x, x_scale, w, w_scale)
+    out = _dispatch(impl, cpu_fn, cuda_fn, ref_fn, x, x_scale, w, w_scale)
     return out[:, 0] if h is None else out

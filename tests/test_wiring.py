@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_w4a8 import export_disabled_checks, ffi_available, ops, quant
+from jax_w4a8 import export_disabled_checks, ffi_available, ops, quant, tiling
 
 needs_cuda_build = pytest.mark.skipif(not ffi_available("cuda"), reason=ffi_available("cuda").reason)
 
@@ -25,8 +25,10 @@ def test_export_for_cuda_shows_custom_calls():
     exp = jax.export.export(jax.jit(ops.w4a8_grouped_gemm), platforms=["cuda"], disabled_checks=export_disabled_checks())(*args)
     text = exp.mlir_module()
     assert "stablehlo.custom_call @jax_w4a8_w4a8_grouped_gemm" in text
-    assert "mhlo.backend_config = {}" in text  # typed XLA FFI: attributes as a dictionary
-    assert "tensor<32x64xbf16>" in text
+    plan = tiling.plan_grouped_gemm(32, 4, 64, 256)
+    # typed XLA FFI attributes: the static tile plan chosen from the shapes (jax_w4a8.tiling)
+    assert f"split_k = {plan.split_k} : i32, tile_tokens = {plan.tile_tokens} : i32" in text
+    assert f"(tensor<32x64xbf16>, tensor<{plan.scratch_bytes}xui8>)" in text  # out + scratch
     assert exp.platforms == ("cuda",)
 
 

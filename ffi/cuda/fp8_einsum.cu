@@ -1,7 +1,7 @@
 // CUDA handler of ops.fp8_einsum in its canonical batched form (SPEC 4.2): x [M, H, K] e4m3,
 // w [H, N, K] e4m3, scales float32 or UE8M0 codes, out [M, H, N] bf16/f32.
 //
-// The simple CUDA-core kernel: a 16 x 64 tile per block and head, float32 promotion per 128-K block
+// The tensor-core path is hopper_gemm.cu (tile plan from jax_w4a8/tiling.py). The simple CUDA-core kernel: a 16 x 64 tile per block and head, float32 promotion per 128-K block
 // (both scales applied with an FMA after each block), one output rounding. UE8M0 codes are applied
 // as exact powers of two. Edges in M and N are masked; nothing outside the buffers is read.
 #include <cuda_runtime.h>
@@ -10,6 +10,7 @@
 
 #include "../common/checks.h"
 #include "../common/formats.h"
+#include "hopper_gemm.cuh"
 #include "simple_tile.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -77,14 +78,12 @@ __global__ void __launch_bounds__(simple::kThreads) Fp8EinsumSimpleKernel(Einsum
   }
 }
 
-ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
-                         ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> out) {
-  Fp8EinsumDims d;
-  if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
-  if (d.m == 0 || d.h == 0) return ffi::Error::Success();
-  if (d.h > 65535) return Invalid("fp8_einsum", "at most 65535 heads are supported");
+ffi::Error LaunchSimple(cudaStream_t stream, const Fp8EinsumDims& d, const ffi::AnyBuffer& x,
+                        const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w, const ffi::AnyBuffer& w_scale,
+                        ffi::AnyBuffer& out) {
+  if (d.h > 65535) return Invalid("fp8_einsum", "at most 65535 heads are supported by the simple kernel");
   EinsumArgs a{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
-               static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(), out->untyped_data(),
+               static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(), out.untyped_data(),
                d.m, d.h, d.n, d.k, d.groups, d.w_scale_rows, d.w_rows_per_scale,
                d.x_scale_ue8m0, d.w_scale_ue8m0, d.out_bf16};
   const dim3 grid(static_cast<unsigned>((d.m + kTileM - 1) / kTileM),
@@ -92,6 +91,47 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   Fp8EinsumSimpleKernel<<<grid, simple::kThreads, 0, stream>>>(a);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
     return ffi::Error::Internal(std::string("fp8_einsum: kernel launch failed: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
+                         ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, int32_t split_k) {
+  Fp8EinsumDims d;
+  if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
+  if (split_k < 1 || split_k > d.groups) return Invalid("fp8_einsum", "split_k must be in [1, K/128]");
+  if (d.m == 0 || d.h == 0) return ffi::Error::Success();
+  if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
+
+  HopperGemmParams p{};
+  p.x = x.untyped_data();
+  p.w = w.untyped_data();
+  p.w_int4 = false;
+  p.sw = w_scale.untyped_data();
+  p.sw_type = d.w_scale_ue8m0 ? WeightScaleType::kUe8m0 : WeightScaleType::kF32;
+  p.sw_rows = d.w_scale_rows;
+  p.sw_row_shift = d.w_rows_per_scale == 1 ? 0 : 7;
+  p.group_sizes = nullptr;
+  p.out = out->untyped_data();
+  p.out_bf16 = d.out_bf16;
+  p.m = d.m, p.h = d.h, p.f = d.n, p.k = d.k, p.b = d.h, p.mp = (d.m + 3) / 4 * 4;
+  p.split_k = split_k;
+  p.tile_tokens = tile_tokens;
+  const char* why = nullptr;
+  if (!HopperGemmSupported(p, &why)) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
+  const size_t need = HopperGemmScratchBytes(d.m, d.h, d.n, d.k, split_k);
+  if (scratch->size_bytes() < need)
+    return Invalid("fp8_einsum", "scratch output too small for the tile plan (" +
+                                     std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");
+  auto* base = static_cast<uint8_t*>(scratch->untyped_data());
+  p.sx = reinterpret_cast<const float*>(base);
+  p.split_ws = reinterpret_cast<float*>(base + HopperGemmScratchBytes(d.m, d.h, d.n, d.k, 1));
+  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(),
+                                            d.x_scale_ue8m0 ? ActScaleKind::kGroupUe8m0 : ActScaleKind::kGroupF32,
+                                            reinterpret_cast<float*>(base), d.m, d.h, d.groups, stream);
+  if (err == cudaSuccess) err = LaunchHopperGemm(p, stream);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("fp8_einsum: tensor-core kernel failed: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -105,5 +145,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8Fp8EinsumCuda, jax_w4a8::Fp8EinsumCuda,
                                   .Arg<xla::ffi::AnyBuffer>()   // x_scale
                                   .Arg<xla::ffi::AnyBuffer>()   // w
                                   .Arg<xla::ffi::AnyBuffer>()   // w_scale
-                                  .Ret<xla::ffi::AnyBuffer>(),  // out
+                                  .Ret<xla::ffi::AnyBuffer>()   // out
+                                  .Ret<xla::ffi::AnyBuffer>()   // scratch (uint8, size from jax_w4a8.tiling)
+                                  .Attr<int32_t>("tile_tokens")
+                                  .Attr<int32_t>("split_k"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,5 +1,6 @@
 // CUDA handler of ops.w4a8_grouped_gemm (SPEC 4.1).
 //
+// The tensor-core path is hopper_gemm.cu (tile plan from jax_w4a8/tiling.py: tile_tokens, split_k).
 // This file holds the handler and the simple CUDA-core kernel: a 16 x 64 output tile per block,
 // float32 math, a fresh accumulator per 128-K group with both scales applied after it, one bf16/f32
 // rounding. Rows are assigned to experts on the device from `group_sizes` (clamped, see
@@ -11,6 +12,7 @@
 #include "../common/checks.h"
 #include "../common/formats.h"
 #include "../common/groups.h"
+#include "hopper_gemm.cuh"
 #include "simple_tile.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -125,22 +127,65 @@ __global__ void __launch_bounds__(simple::kThreads) GroupedGemmSimpleKernel(Gemm
   }
 }
 
-ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
-                               ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes,
-                               ffi::Result<ffi::AnyBuffer> out) {
-  GroupedGemmDims d;
-  if (auto err = CheckGroupedGemm(x, x_scale, w, w_scale, group_sizes, *out, &d); err.failure())
-    return err;
-  if (d.m == 0) return ffi::Error::Success();
+ffi::Error LaunchSimple(cudaStream_t stream, const GroupedGemmDims& d, const ffi::AnyBuffer& x,
+                        const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w, const ffi::AnyBuffer& w_scale,
+                        const ffi::AnyBuffer& group_sizes, ffi::AnyBuffer& out) {
   GemmArgs a{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const float*>(x_scale.untyped_data()),
              static_cast<const int8_t*>(w.untyped_data()), w_scale.untyped_data(),
-             static_cast<const int32_t*>(group_sizes.untyped_data()), out->untyped_data(),
+             static_cast<const int32_t*>(group_sizes.untyped_data()), out.untyped_data(),
              d.m, d.n, d.k, d.e, d.groups, static_cast<int>(d.x_scale_kind), d.w_scale_bf16, d.out_bf16};
   const dim3 grid(static_cast<unsigned>((d.m + kTileM - 1) / kTileM),
                   static_cast<unsigned>((d.n + kTileN - 1) / kTileN));
   GroupedGemmSimpleKernel<<<grid, simple::kThreads, 0, stream>>>(a);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
     return ffi::Error::Internal(std::string("w4a8_grouped_gemm: kernel launch failed: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
+                               ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes,
+                               ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch,
+                               int32_t tile_tokens, int32_t split_k) {
+  GroupedGemmDims d;
+  if (auto err = CheckGroupedGemm(x, x_scale, w, w_scale, group_sizes, *out, &d); err.failure())
+    return err;
+  if (split_k < 1 || split_k > d.groups) return Invalid("w4a8_grouped_gemm", "split_k must be in [1, K/128]");
+  if (d.m == 0) return ffi::Error::Success();
+  if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
+
+  HopperGemmParams p{};
+  p.x = x.untyped_data();
+  p.w = w.untyped_data();
+  p.w_int4 = true;
+  p.sw = w_scale.untyped_data();
+  p.sw_type = d.w_scale_bf16 ? WeightScaleType::kBf16 : WeightScaleType::kF32;
+  p.sw_rows = d.n;
+  p.sw_row_shift = 0;
+  p.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
+  p.out = out->untyped_data();
+  p.out_bf16 = d.out_bf16;
+  p.m = d.m, p.h = 1, p.f = d.n, p.k = d.k, p.b = d.e, p.mp = (d.m + 3) / 4 * 4;
+  p.split_k = split_k;
+  p.tile_tokens = tile_tokens;
+  const char* why = nullptr;
+  if (!HopperGemmSupported(p, &why)) {  // e.g. not a Hopper GPU: the simple kernel is always correct
+    return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
+  }
+  const size_t need = HopperGemmScratchBytes(d.m, 1, d.n, d.k, split_k);
+  if (scratch->size_bytes() < need)
+    return Invalid("w4a8_grouped_gemm", "scratch output too small for the tile plan (" +
+                                            std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");
+  auto* base = static_cast<uint8_t*>(scratch->untyped_data());
+  p.sx = reinterpret_cast<const float*>(base);
+  p.split_ws = reinterpret_cast<float*>(base + (HopperGemmScratchBytes(d.m, 1, d.n, d.k, 1)));
+  const ActScaleKind kind = d.x_scale_kind == XScaleKind::kTensor ? ActScaleKind::kTensorF32
+                            : d.x_scale_kind == XScaleKind::kToken ? ActScaleKind::kTokenF32
+                                                                   : ActScaleKind::kGroupF32;
+  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(), kind, reinterpret_cast<float*>(base), d.m, 1,
+                                            d.groups, stream);
+  if (err == cudaSuccess) err = LaunchHopperGemm(p, stream);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("w4a8_grouped_gemm: tensor-core kernel failed: ") + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -155,5 +200,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8GroupedGemmCuda, jax_w4a8::W4a8GroupedGemmC
                                   .Arg<xla::ffi::AnyBuffer>()   // w
                                   .Arg<xla::ffi::AnyBuffer>()   // w_scale
                                   .Arg<xla::ffi::AnyBuffer>()   // group_sizes
-                                  .Ret<xla::ffi::AnyBuffer>(),  // out
+                                  .Ret<xla::ffi::AnyBuffer>()   // out
+                                  .Ret<xla::ffi::AnyBuffer>()   // scratch (uint8, size from jax_w4a8.tiling)
+                                  .Attr<int32_t>("tile_tokens")
+                                  .Attr<int32_t>("split_k"),
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,122 @@
+"""Shared benchmark plumbing: timing, ceilings, tables, JSON, RESULTS.md sections and plots.
+
+Timing: median over rounds of the mean time of ``n`` back-to-back calls (async dispatch keeps the GPU
+busy), rotating through several input sets so that weights come from HBM, not L2.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+
+HERE = pathlib.Path(__file__).resolve().parent
+RESULTS = HERE / "RESULTS.md"
+
+
+def bench(fn, arg_sets, n=10, rounds=5):
+    """Seconds per call of ``fn(*args)``: median over ``rounds`` of ``n`` calls over ``arg_sets``."""
+    for a in arg_sets[:2]:
+        jax.block_until_ready(fn(*a))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        out = None
+        for i in range(n):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / n)
+    return statistics.median(times)
+
+
+def torch_bench(fn, n=10, rounds=5):
+    import torch
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(rounds):
+        start.record()
+        for _ in range(n):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / n / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth():
+    """Measured device-to-device copy bandwidth (bytes read + written per second): the larger of a
+    torch copy and a jitted XLA ``x * 2`` on 4 GiB."""
+    x = jax.random.normal(jax.random.key(0), (1 << 31,), jnp.bfloat16)
+    t = bench(jax.jit(lambda v: v * 2), [(x,)], n=5)
+    best = {"xla": 2 * x.nbytes / t}
+    del x
+    try:
+        import torch
+
+        a = torch.empty(1 << 31, dtype=torch.bfloat16, device="cuda")
+        b = torch.empty_like(a)
+        best["torch"] = 2 * a.nbytes / torch_bench(lambda: b.copy_(a), n=5)
+        del a, b
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - torch is optional (peer baselines only)
+        pass
+    return max(best.values()), best
+
+
+def have_torch():
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def fmt_table(rows, cols):
+    widths = [max(len(str(c)), *(len(str(r.get(c, ""))) for r in rows)) for c in cols]
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(cols, widths))]
+    for r in rows:
+        lines.append("  ".join(str(r.get(c, "")).rjust(w) for c, w in zip(cols, widths)))
+    return "\n".join(lines)
+
+
+def md_table(rows, cols):
+    out = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        out.append("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
+    return "\n".join(out)
+
+
+def out_dir(arg):
+    d = pathlib.Path(arg or os.environ.get("OUT") or HERE / "out")
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def save_json(path, payload):
+    payload = dict(payload, date=datetime.date.today().isoformat(), jax=jax.__version__,
+                   device=str(jax.devices()[0].device_kind))
+    pathlib.Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def update_results_section(name, body):
+    """Replaces (or appends) the section ``## name`` of benchmarks/RESULTS.md."""
+    text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
+    head = f"## {name}\n"
+    if head in text:
+        start = text.index(head)
+        nxt = text.find("\n## ", start + len(head))
+        text = text[:start] + head + body.rstrip() + "\n" + (text[nxt:] if nxt >= 0 else "")
+    else:
+        text = text.rstrip() + "\n\n" + head + body.rstrip() + "\n"
+    RESULTS.write_text(text)

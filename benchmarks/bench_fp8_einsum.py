@@ -1,0 +1,155 @@
+"""FP8 block-scaled einsum vs what a JAX user would otherwise write, DeepSeek-V3 shapes, one process.
+
+    python benchmarks/bench_fp8_einsum.py [--quick] [--out DIR]
+    python benchmarks/bench_fp8_einsum.py --report DIR/fp8_einsum.json
+
+Linears "md,nd->mn" (recipe (1, 128, 128), UE8M0 scales as codes) and per-head "bhr,hdr->bhd"
+(MLA absorb, DeepSeek-V4 wo_a). Peers: XLA dot_general with fp8 operands and one per-tensor scale,
+bf16 dot_general, and dequantize-to-bf16 + matmul inside jit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+LINEARS = {  # name: (N, K)
+    "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "o_proj": (7168, 16384),
+    "shared_up": (4096, 7168), "shared_down": (7168, 2048), "dense_up": (36864, 7168), "dense_down": (7168, 18432),
+    "square": (7168, 7168),
+}
+MS_FULL = [1, 16, 64, 512, 4096, 16384]
+MS_QUICK = [1, 64, 4096]
+PER_HEAD = {  # name: (H, R, D)
+    "mla_absorb_q": (128, 128, 512), "mla_absorb_o": (128, 512, 128), "v4_wo_a": (16, 4096, 1024),
+}
+BS_FULL = [1, 64, 4096]
+
+
+def run(args):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_w4a8 import ops, quant, tiling
+
+    bw, detail = C.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s {({k: round(v / 1e12, 2) for k, v in detail.items()})}", flush=True)
+    key = jax.random.key(0)
+    rows = []
+    ms = MS_QUICK if args.quick else MS_FULL
+    linears = {k: v for k, v in LINEARS.items() if not args.quick or k in ("q_a", "kv_a", "square", "o_proj")}
+    for name, (n, k) in linears.items():
+        ws = [jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 0.02 for i in range(2)]
+        wq = [quant.quantize_fp8_blocks(w, ue8m0=True) for w in ws]
+        w8 = [(q, quant.encode_ue8m0(s)) for q, s in wq]
+        wbf = [w.astype(jnp.bfloat16) for w in ws]
+        del ws
+        for m in ms:
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            x8, xs = quant.quantize_fp8_groups(x, ue8m0=True)
+            xc = quant.encode_ue8m0(xs)
+            plan = tiling.plan_fp8_einsum(m, 1, n, k)
+            ours = jax.jit(lambda a, sa, b, sb: ops.fp8_einsum("md,nd->mn", a, sa, b, sb))
+            t = C.bench(ours, [(x8, xc, q, s) for q, s in w8])
+            got = ours(x8, xc, *w8[0]).astype(jnp.float32)
+            ref = ops.fp8_einsum("md,nd->mn", x8, xc, *w8[0], tile_tokens=0).astype(jnp.float32)
+            r = dict(case=name, eq="md,nd->mn", M=m, N=n, K=k, plan=f"t{plan.tile_tokens}/s{plan.split_k}",
+                     rel_err_vs_simple=float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)))
+            r.update(ours_us=t * 1e6, TFLOPs=2 * m * n * k / t / 1e12, weight_GBps=n * k / t / 1e9,
+                     frac_copy_bw=n * k / t / bw)
+            peers = {}
+            if args.peers == "none":
+                rows.append(r)
+                print(fmt_row(r), flush=True)
+                continue
+            fp8 = jax.jit(lambda a, b, s: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                              preferred_element_type=jnp.bfloat16) * s)
+            one = jnp.float32(1.0)
+            peers["xla_fp8_per_tensor"] = C.bench(fp8, [(x8, q, one) for q, _ in w8])
+            bf = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ()))))
+            peers["xla_bf16"] = C.bench(bf, [(x, w) for w in wbf])
+            deq = jax.jit(lambda a, b, s: jax.lax.dot_general(
+                a, quant.dequantize_fp8_blocks(b, quant.decode_ue8m0(s), dtype=jnp.bfloat16), (((1,), (1,)), ((), ()))))
+            peers["dequant_bf16_matmul"] = C.bench(deq, [(x, q, s) for q, s in w8])
+            for p, tp in peers.items():
+                r[f"{p}_us"], r[f"x_{p}"] = tp * 1e6, tp / t
+            rows.append(r)
+            print(fmt_row(r), flush=True)
+        del w8, wbf, wq
+    bs = [1, 64] if args.quick else BS_FULL
+    for name, (h, rr, d) in PER_HEAD.items():
+        w = jax.random.normal(jax.random.fold_in(key, 99), (h, d, rr), jnp.float32) * 0.02
+        wq, wsc = quant.quantize_fp8_blocks(w)
+        wbf = w.astype(jnp.bfloat16)
+        for b in bs:
+            x = jax.random.normal(jax.random.fold_in(key, b), (b, h, rr), jnp.bfloat16)
+            x8, xs = quant.quantize_fp8_groups(x)
+            plan = tiling.plan_fp8_einsum(b, h, d, rr)
+            ours = jax.jit(lambda a, sa, c, sc: ops.fp8_einsum("bhr,hdr->bhd", a, sa, c, sc))
+            t = C.bench(ours, [(x8, xs, wq, wsc)])
+            got = ours(x8, xs, wq, wsc).astype(jnp.float32)
+            ref = ops.fp8_einsum("bhr,hdr->bhd", x8, xs, wq, wsc, tile_tokens=0).astype(jnp.float32)
+            r = dict(case=name, eq="bhr,hdr->bhd", M=b, N=d, K=rr, H=h, plan=f"t{plan.tile_tokens}/s{plan.split_k}",
+                     rel_err_vs_simple=float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)))
+            r.update(ours_us=t * 1e6, TFLOPs=2 * b * h * d * rr / t / 1e12, weight_GBps=h * d * rr / t / 1e9,
+                     frac_copy_bw=h * d * rr / t / bw)
+            if args.peers != "none":
+                bf = jax.jit(lambda a, c: jnp.einsum("bhr,hdr->bhd", a, c))
+                tp = C.bench(bf, [(x, wbf)])
+                r["xla_bf16_us"], r["x_xla_bf16"] = tp * 1e6, tp / t
+            rows.append(r)
+            print(fmt_row(r), flush=True)
+    return dict(copy_bw=bw, copy_bw_detail=detail, rows=rows)
+
+
+PEERS = ["xla_fp8_per_tensor", "xla_bf16", "dequant_bf16_matmul"]
+
+
+def fmt_row(r):
+    peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
+    return (f"{r['case']:13s} M={r['M']:6d} N={r['N']:6d} K={r['K']:6d} {r['plan']:7s} {r['ours_us']:9.1f} us "
+            f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
+            f"err {r['rel_err_vs_simple']:.1e} | {peers}")
+
+
+def report(payload):
+    cols = ["case", "equation", "M or b", "N", "K", "plan", "us", "TFLOP/s", "weight GB/s", "% copy BW"] + [
+        f"vs {p}" for p in PEERS]
+    md = []
+    for r in payload["rows"]:
+        d = {"case": r["case"] + (f" (h={r['H']})" if "H" in r else ""), "equation": r["eq"], "M or b": r["M"],
+             "N": r["N"], "K": r["K"], "plan": r["plan"], "us": f"{r['ours_us']:.1f}", "TFLOP/s": f"{r['TFLOPs']:.0f}",
+             "weight GB/s": f"{r['weight_GBps']:.0f}", "% copy BW": f"{100 * r['frac_copy_bw']:.0f}"}
+        for p in PEERS:
+            if f"x_{p}" in r:
+                d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x"
+        md.append(d)
+    body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
+            f"`python benchmarks/bench_fp8_einsum.py`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
+            "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours.\n\n"
+            + C.md_table(md, cols) + "\n")
+    C.update_results_section("FP8 block-scaled einsum (DeepSeek-V3 linears, per-head products)", body)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out")
+    p.add_argument("--peers", choices=["all", "none"], default="all")
+    p.add_argument("--report")
+    args = p.parse_args()
+    if args.report:
+        report(json.loads(pathlib.Path(args.report).read_text()))
+        return
+    out = C.out_dir(args.out)
+    payload = run(args)
+    C.save_json(out / "fp8_einsum.json", payload)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""W4A8 grouped GEMM vs its peers, one EP8 shard of DeepSeek-R1 (32 local experts), one process.
+
+    python benchmarks/bench_grouped_gemm.py [--quick] [--out DIR]       # on the GPU
+    python benchmarks/bench_grouped_gemm.py --report DIR/grouped_gemm.json  # RESULTS.md + plot from JSON
+
+Shapes: gate+up N=4096 K=7168 and down N=7168 K=2048; M = routed rows on this GPU spread evenly over
+the experts (multinomial), plus skewed routing (4 hot experts take 85% of the rows). Peers measured
+in the same process: JAX's Pallas Mosaic-GPU grouped GEMM (bf16, and fp8 with K-major weights; best
+of its tile configs), XLA ragged_dot (bf16, fp8, int4 dequantized to bf16 inside jit) and, when torch
+imports, torch._grouped_mm (bf16) and torch._scaled_grouped_mm (fp8). Our kernel applies the
+group-128 weight scales and per-token-group activation scales; the fp8 peers apply none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import pathlib
+import sys
+
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+E = 32
+SHAPES = {"gate_up": (4096, 7168), "down": (7168, 2048)}
+MS_FULL = [64, 256, 512, 2048, 4096, 16384]
+MS_QUICK = [64, 512, 4096, 16384]
+SKEWED_MS = [512, 4096]
+PALLAS_CONFIGS = [  # block_m, block_n, block_k, max_concurrent_steps, grid_block_n
+    (64, 128, 64, 4, 1), (128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 256, 64, 4, 2),
+    (128, 128, 64, 4, 4), (192, 128, 64, 4, 2), (128, 128, 128, 4, 1), (64, 128, 128, 6, 1),
+]
+FP8_PEAK = 1979e12  # dense fp8 datasheet rate of H100/H200 SXM (a floor for the plot, not a measurement)
+
+
+def sizes_for(m, routing, rng):
+    if routing == "uniform":
+        return rng.multinomial(m, np.ones(E) / E).astype(np.int32)
+    p = np.full(E, 0.15 / (E - 4))
+    p[:4] = 0.85 / 4
+    return rng.multinomial(m, p).astype(np.int32)
+
+
+def run(args):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_w4a8 import ops, tiling
+
+    rng = np.random.default_rng(0)
+    bw, bw_detail = C.copy_bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s {({k: round(v / 1e12, 2) for k, v in bw_detail.items()})}", flush=True)
+    torch_ok = C.have_torch() and not args.no_torch
+    ms = MS_QUICK if args.quick else MS_FULL
+    configs = PALLAS_CONFIGS[:2] if args.quick else PALLAS_CONFIGS
+    rows = []
+    key = jax.random.key(0)
+    for shape, (n, k) in SHAPES.items():
+        g = k // 128
+        keys = jax.random.split(key, 8)
+        w4 = [jax.random.randint(keys[i], (E, n, k // 2), -128, 128, jnp.int32).astype(jnp.int8) for i in range(2)]
+        ws = [jax.random.uniform(keys[2 + i], (E, n, g), jnp.float32, 0.5e-2, 1.5e-2) for i in range(2)]
+        wb = [jax.random.normal(keys[4 + i], (E, k, n), jnp.bfloat16) for i in range(2)]  # [E, K, N] bf16
+        w8t = [jnp.swapaxes(w, 1, 2).astype(jnp.float8_e4m3fn) for w in wb]  # [E, N, K] fp8
+        wi4 = [jax.random.randint(keys[6 + i], (E, k, n), -8, 8, jnp.int32).astype(jnp.int4) for i in range(2)]
+        cases = [(m, "uniform") for m in ms] + [(m, "skewed") for m in SKEWED_MS if m in ms]
+        for m, routing in cases:
+            sizes = jnp.asarray(sizes_for(m, routing, rng))
+            x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
+            x8 = x.astype(jnp.float8_e4m3fn)
+            xs = jax.random.uniform(jax.random.fold_in(key, m + 1), (m, g), jnp.float32, 0.5, 1.5)
+            plan = tiling.plan_grouped_gemm(m, E, n, k)
+            ours = jax.jit(ops.w4a8_grouped_gemm)
+            r = dict(shape=shape, M=m, routing=routing, N=n, K=k, plan=f"t{plan.tile_tokens}/s{plan.split_k}")
+            t = C.bench(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)])
+            got = ours(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
+            simple = ops.w4a8_grouped_gemm(x8, xs, w4[0], ws[0], sizes, tile_tokens=0).astype(jnp.float32)
+            r["rel_err_vs_simple"] = float(jnp.linalg.norm(got - simple) / jnp.linalg.norm(simple))
+            flops, wbytes = 2 * m * n * k, E * n * k // 2
+            r.update(ours_us=t * 1e6, TFLOPs=flops / t / 1e12, weight_GBps=wbytes / t / 1e9,
+                     frac_copy_bw=wbytes / t / bw)
+            peers = {}
+            if args.peers != "none":
+                from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as pm
+                for dtype_name, lhs, rhs_sets, tr in (("pallas_bf16", x, wb, False), ("pallas_fp8", x8, w8t, True)):
+                    best = float("inf")
+                    for cfg in configs:
+                        bm, bn, bk, steps, gbn = cfg
+                        if n % (bn * gbn) or k % bk:
+                            continue
+                        try:
+                            f = jax.jit(functools.partial(pm.ragged_dot, block_m=bm, block_n=bn, block_k=bk,
+                                                          max_concurrent_steps=steps, grid_block_n=gbn,
+                                                          transpose_rhs=tr))
+                            tt = C.bench(lambda a, b, s: f(a, b, group_sizes=s), [(lhs, w, sizes) for w in rhs_sets])
+                            best = min(best, tt)
+                        except Exception as exc:  # noqa: BLE001 - a config that does not compile is skipped
+                            print(f"  {dtype_name} {cfg}: {type(exc).__name__}", flush=True)
+                    peers[dtype_name] = best
+            if args.peers == "all":
+                rd = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b, s, preferred_element_type=jnp.bfloat16))
+                peers["xla_ragged_dot_bf16"] = C.bench(rd, [(x, w, sizes) for w in wb], n=3, rounds=3)
+                w8k = [jnp.swapaxes(w, 1, 2) for w in w8t]
+                peers["xla_ragged_dot_fp8"] = C.bench(rd, [(x8, w, sizes) for w in w8k], n=3, rounds=3)
+                del w8k
+                deq = jax.jit(lambda a, b, s: jax.lax.ragged_dot(a, b.astype(jnp.bfloat16), s))
+                peers["xla_int4_dequant_ragged_dot"] = C.bench(deq, [(x, w, sizes) for w in wi4], n=3, rounds=3)
+            if torch_ok and args.peers != "none":
+                peers.update(torch_peers(m, n, k, np.asarray(sizes)))
+            for name, tp in peers.items():
+                r[f"{name}_us"] = tp * 1e6
+                r[f"x_{name}"] = tp / t
+            rows.append(r)
+            print(fmt_row(r), flush=True)
+        del w4, ws, wb, w8t, wi4
+    return dict(copy_bw=bw, copy_bw_detail=bw_detail, rows=rows)
+
+
+def torch_peers(m, n, k, sizes):
+    import torch
+
+    out = {}
+    offs = torch.tensor(np.cumsum(sizes), device="cuda", dtype=torch.int32)
+    w = torch.randn(E, n, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    try:
+        out["torch_grouped_mm_bf16"] = C.torch_bench(lambda: torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+    except Exception as exc:  # noqa: BLE001
+        print("  torch bf16:", repr(exc)[:120])
+    try:
+        x8, w8 = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+        sa = torch.ones(m, device="cuda", dtype=torch.float32)
+        sb = torch.ones(E, n, device="cuda", dtype=torch.float32)
+        out["torch_scaled_grouped_mm_fp8"] = C.torch_bench(
+            lambda: torch._scaled_grouped_mm(x8, w8.transpose(-2, -1), sa, sb, offs=offs, out_dtype=torch.bfloat16))
+    except Exception as exc:  # noqa: BLE001
+        print("  torch fp8:", repr(exc)[:120])
+    del w, x
+    torch.cuda.empty_cache()
+    return out
+
+
+PEERS = ["pallas_bf16", "pallas_fp8", "torch_scaled_grouped_mm_fp8", "torch_grouped_mm_bf16",
+         "xla_ragged_dot_bf16", "xla_ragged_dot_fp8", "xla_int4_dequant_ragged_dot"]
+
+
+def fmt_row(r):
+    peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
+    return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
+            f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
+            f"err {r['rel_err_vs_simple']:.1e} | {peers}")
+
+
+def report(payload, out):
+    rows = payload["rows"]
+    cols = ["shape", "M", "routing", "plan", "us", "TFLOP/s", "weight GB/s", "% copy BW"] + [f"vs {p}" for p in PEERS]
+    md = []
+    for r in rows:
+        d = {"shape": r["shape"], "M": r["M"], "routing": r["routing"], "plan": r["plan"],
+             "us": f"{r['ours_us']:.1f}", "TFLOP/s": f"{r['TFLOPs']:.0f}", "weight GB/s": f"{r['weight_GBps']:.0f}",
+             "% copy BW": f"{100 * r['frac_copy_bw']:.0f}"}
+        for p in PEERS:
+            if f"x_{p}" in r:
+                d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x ({r[f'{p}_us']:.0f} us)"
+        md.append(d)
+    body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
+            f"`python benchmarks/bench_grouped_gemm.py`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
+            "32 experts; `vs X` is X's time over ours (higher is better for us); plan = token tile / split-K "
+            "from `jax_w4a8.tiling`.\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
+    C.update_results_section("W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1)", body)
+    plot(payload, C.HERE / "grouped_gemm.png")
+    if out:
+        plot(payload, pathlib.Path(out) / "grouped_gemm.png")
+
+
+def plot(payload, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    for ax, shape in zip(axes, SHAPES):
+        rows = [r for r in payload["rows"] if r["shape"] == shape and r["routing"] == "uniform"]
+        if not rows:
+            continue
+        ms = [r["M"] for r in rows]
+        ax.plot(ms, [r["ours_us"] for r in rows], "o-", lw=2, label="jax_w4a8 W4A8")
+        for p in PEERS:
+            pts = [(r["M"], r[f"{p}_us"]) for r in rows if f"{p}_us" in r]
+            if pts:
+                ax.plot(*zip(*pts), ".--", label=p)
+        n, k = SHAPES[shape]
+        ax.plot(ms, [E * n * k / 2 / payload["copy_bw"] * 1e6] * len(ms), "k:", label="int4 weight read floor")
+        ax.plot(ms, [2 * m * n * k / FP8_PEAK * 1e6 for m in ms], "k-.", label="fp8 compute floor (datasheet)")
+        ax.set(xscale="log", yscale="log", xlabel="M (routed rows)", ylabel="us per call",
+               title=f"{shape}: N={n} K={k}, 32 experts")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer M values and Pallas configs")
+    p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--peers", choices=["all", "fast", "none"], default="all",
+                   help="fast: Pallas and torch only (XLA ragged_dot runs ~24 TFLOP/s and takes long)")
+    p.add_argument("--out", help="folder for JSON and PNG (default $OUT or benchmarks/out)")
+    p.add_argument("--report", help="rewrite RESULTS.md and the plot from this JSON instead of measuring")
+    args = p.parse_args()
+    if args.report:
+        report(json.loads(pathlib.Path(args.report).read_text()), None)
+        return
+    out = C.out_dir(args.out)
+    payload = run(args)
+    C.save_json(out / "grouped_gemm.json", payload)
+    print(C.fmt_table([{"row": fmt_row(r)} for r in payload["rows"]], ["row"]))
+    try:
+        plot(dict(payload), out / "grouped_gemm.png")
+    except Exception as exc:  # noqa: BLE001 - matplotlib is optional
+        print("plot failed:", exc)
+
+
+if __name__ == "__main__":
+    main()

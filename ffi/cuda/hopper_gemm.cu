@@ -1,0 +1,498 @@
+// The Hopper tensor-core kernel of ops.w4a8_grouped_gemm and ops.fp8_einsum (see hopper_gemm.cuh).
+//
+// Block of 384 threads, one per SM (persistent):
+//   warpgroup 0  producer: one thread issues TMA loads of a weight tile (128 rows x one K group), an
+//                activation tile (tile_tokens rows x 128) and its scales into a ring of stages;
+//   warpgroups 1, 2  consumers, 64 weight rows each: (int4 only) convert their rows to fp8 in shared
+//                memory, run 4 wgmma m64 x n(tile_tokens) x k32 into a fresh fp32 accumulator, then
+//                promote: total += sw(row, g) * sx(g, token) * partial, in fp32.
+// Units of work (batch, token tile, feature tile, K split) are numbered on the device from
+// group_sizes, so nothing waits for the host and any group_sizes content is safe (clamped as in
+// common/groups.h). With split_k > 1 partial sums go to a zeroed fp32 workspace with atomics and a
+// second pass rounds them; otherwise each unit rounds and stores its own tile, and padding rows of
+// the grouped GEMM are zero-filled by units of their own.
+#include <cuda.h>
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+
+#include "../common/formats.h"
+#include "../common/groups.h"
+#include "hopper_gemm.cuh"
+#include "hopper_ptx.cuh"
+
+namespace jax_w4a8 {
+namespace {
+
+constexpr int kThreads = 384;
+constexpr int kFeatTile = 128;     // weight rows per unit (64 per consumer warpgroup)
+constexpr int kKGroup = 128;       // K per stage = one scale group
+constexpr int kMaxBatches = 1024;  // batches (experts / heads) the on-device unit table holds
+constexpr size_t kSmemBudget = 220 * 1024;
+
+struct KernelArgs {
+  HopperGemmParams p;
+  int stages;
+  int64_t groups;
+};
+
+template <int kTok, bool kInt4>
+struct Layout {
+  static constexpr int kWBytes = kFeatTile * (kInt4 ? kKGroup / 2 : kKGroup);
+  static constexpr int kXBytes = kTok * kKGroup;
+  // Activation scales: a box of kTok + 4 floats starting at the token tile's row rounded down to a
+  // multiple of 4, since TMA needs the innermost start 16-byte aligned (expert tiles start anywhere).
+  static constexpr int kSxBox = kTok + 4;
+  static constexpr int kSxBytes = (kSxBox * 4 + 127) / 128 * 128;
+  static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
+  static constexpr int kABufBytes = kInt4 ? 2 * 64 * kKGroup : 0;  // fp8 weights, one per consumer
+};
+
+__device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
+  // Four int4 codes (bits 0..15) -> four e4m3 bytes, exactly: two byte-permute lookups (|v| tables
+  // for codes 0..7 and -8..-1) and a sign-driven select.
+  const uint32_t idx = nibbles & 0x7777u;
+  uint32_t pos, neg, mask;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos) : "r"(0x44403800u), "r"(0x4E4C4A48u), "r"(idx));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg) : "r"(0xCACCCED0u), "r"(0xB8C0C4C8u), "r"(idx));
+  const uint32_t sign = (nibbles >> 3) & 0x1111u;
+  const uint32_t sel = sign | (sign << 3);  // selector 9 (sign-replicate byte 1 = 0x80) or 0 (byte 0 = 0)
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mask) : "r"(0x00008000u), "r"(0u), "r"(sel));
+  return (neg & mask) | (pos & ~mask);
+}
+
+__device__ __forceinline__ float LoadWeightScale(const HopperGemmParams& p, int64_t b, int64_t f, int64_t g,
+                                                 int64_t groups) {
+  f = f < p.f ? f : p.f - 1;
+  const int64_t idx = (b * p.sw_rows + (f >> p.sw_row_shift)) * groups + g;
+  switch (p.sw_type) {
+    case WeightScaleType::kF32: return __ldg(static_cast<const float*>(p.sw) + idx);
+    case WeightScaleType::kBf16: return Bf16BitsToFloat(__ldg(static_cast<const uint16_t*>(p.sw) + idx));
+    default: return Ue8m0ToFloat(__ldg(static_cast<const uint8_t*>(p.sw) + idx));
+  }
+}
+
+// The unit table, built by every block from group_sizes: batch token ranges and unit prefix sums.
+struct UnitTable {
+  int32_t* start;   // [nb]
+  int32_t* end;     // [nb]
+  int64_t* prefix;  // [nb + 1]: units before batch i
+  int nb;           // batches incl. the zero-fill pseudo batch of the grouped GEMM
+};
+
+template <int kTok>
+__device__ void BuildUnitTable(const HopperGemmParams& p, UnitTable& t, int64_t feat_tiles) {
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  int64_t carry_end = 0, carry_units = 0;
+  for (int64_t base = 0; base < p.b; base += 32) {
+    const int64_t i = base + lane;
+    int64_t s = 0, e = 0;
+    if (p.group_sizes == nullptr) {
+      e = p.m;
+    } else {
+      int64_t v = i < p.b ? NextGroupEnd(0, p.group_sizes[i], p.m) : 0;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const int64_t o = __shfl_up_sync(0xffffffffu, v, off);
+        if (lane >= off) v = min(v + o, p.m);
+      }
+      const int64_t up = __shfl_up_sync(0xffffffffu, v, 1);
+      s = lane == 0 ? carry_end : min(carry_end + up, p.m);
+      e = min(carry_end + v, p.m);
+      carry_end = min(carry_end + __shfl_sync(0xffffffffu, v, 31), p.m);
+    }
+    int64_t units = i < p.b ? (e - s + kTok - 1) / kTok * feat_tiles * p.split_k : 0;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int64_t o = __shfl_up_sync(0xffffffffu, units, off);
+      if (lane >= off) units += o;
+    }
+    if (i < p.b) {
+      t.start[i] = static_cast<int32_t>(s);
+      t.end[i] = static_cast<int32_t>(e);
+      t.prefix[i + 1] = carry_units + units;
+    }
+    carry_units += __shfl_sync(0xffffffffu, units, 31);
+  }
+  if (lane == 0) {
+    t.prefix[0] = 0;
+    if (t.nb > p.b) {  // rows past the last expert: zero-filled by units of their own
+      t.start[p.b] = static_cast<int32_t>(carry_end);
+      t.end[p.b] = static_cast<int32_t>(p.m);
+      t.prefix[p.b + 1] = carry_units + (p.m - carry_end + kTok - 1) / kTok * feat_tiles;
+    }
+  }
+}
+
+struct Unit {
+  int64_t b, m0, m_end, f0, g0, g1;
+  int head;
+  bool zero;
+};
+
+template <int kTok>
+__device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const UnitTable& t, int64_t u,
+                                           int64_t feat_tiles, int64_t groups) {
+  int lo = 0, hi = t.nb - 1;  // last batch with prefix[b] <= u
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (t.prefix[mid] <= u) lo = mid; else hi = mid - 1;
+  }
+  Unit x;
+  x.b = lo;
+  x.zero = lo >= p.b;
+  const int64_t split = x.zero ? 1 : p.split_k;
+  int64_t r = u - t.prefix[lo];
+  const int64_t ks = r % split;
+  r /= split;
+  const int64_t tok_tiles = (t.end[lo] - t.start[lo] + kTok - 1) / kTok;
+  x.m0 = t.start[lo] + (r % tok_tiles) * kTok;
+  x.f0 = (r / tok_tiles) * kFeatTile;
+  x.m_end = t.end[lo];
+  x.g0 = groups * ks / split;
+  x.g1 = groups * (ks + 1) / split;
+  x.head = p.group_sizes == nullptr ? static_cast<int>(lo) : 0;
+  return x;
+}
+
+template <int kTok>
+__device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t b, int scale_d) {
+  if constexpr (kTok == 16) sm90::WgmmaE4m3N16(d, a, b, scale_d);
+  else if constexpr (kTok == 32) sm90::WgmmaE4m3N32(d, a, b, scale_d);
+  else if constexpr (kTok == 64) sm90::WgmmaE4m3N64(d, a, b, scale_d);
+  else sm90::WgmmaE4m3N128(d, a, b, scale_d);
+}
+
+// Narrow token tiles (decode) are latency-bound per group: run two blocks per SM there.
+template <int kTok>
+struct Occupancy {
+  static constexpr int kBlocksPerSm = kTok <= 32 ? 2 : 1;
+  static constexpr uint32_t kProducerRegs = kBlocksPerSm == 2 ? 24 : 40;
+  static constexpr uint32_t kConsumerRegs = kBlocksPerSm == 2 ? 104 : 232;
+};
+
+template <int kTok, bool kInt4>
+__global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
+    HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
+                     const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
+  using L = Layout<kTok, kInt4>;
+  const HopperGemmParams& p = args.p;
+  const int stages = args.stages;
+  const int64_t groups = args.groups;
+  const int64_t feat_tiles = (p.f + kFeatTile - 1) / kFeatTile;
+
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
+  uint8_t* abuf = smem + static_cast<size_t>(stages) * L::kStageBytes;
+  uint64_t* full = reinterpret_cast<uint64_t*>(abuf + L::kABufBytes);
+  uint64_t* empty = full + stages;
+  UnitTable table;
+  table.nb = static_cast<int>(p.b) + ((p.group_sizes != nullptr && p.split_k == 1) ? 1 : 0);
+  table.prefix = reinterpret_cast<int64_t*>(empty + stages);
+  table.start = reinterpret_cast<int32_t*>(table.prefix + table.nb + 1);
+  table.end = table.start + table.nb;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      sm90::MbarInit(&full[s], 1);
+      sm90::MbarInit(&empty[s], 8);  // one arrival per consumer warp
+    }
+    sm90::FenceBarrierInit();
+  }
+  if (threadIdx.x == 32) {
+    sm90::PrefetchTensorMap(&map_w);
+    sm90::PrefetchTensorMap(&map_x);
+    sm90::PrefetchTensorMap(&map_sx);
+  }
+  BuildUnitTable<kTok>(p, table, feat_tiles);
+  __syncthreads();
+  const int64_t total_units = table.prefix[table.nb];
+  const int wg = threadIdx.x / 128;
+
+  if (wg == 0) {
+    // ------------------------------------------------------------------------------- producer
+    sm90::ReleaseNReg<Occupancy<kTok>::kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int64_t u = blockIdx.x; u < total_units; u += gridDim.x) {
+      const Unit t = DecodeUnit<kTok>(p, table, u, feat_tiles, groups);
+      if (t.zero) continue;
+      for (int64_t g = t.g0; g < t.g1; ++g) {
+        sm90::MbarWait(&empty[stage], phase ^ 1);
+        uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
+        sm90::MbarArriveExpectTx(&full[stage], L::kWBytes + L::kXBytes + L::kSxBox * 4);
+        sm90::TmaLoad3d(st, &map_w, &full[stage], static_cast<int>(g * (kInt4 ? kKGroup / 2 : kKGroup)),
+                        static_cast<int>(t.f0), static_cast<int>(t.b));
+        sm90::TmaLoad3d(st + L::kWBytes, &map_x, &full[stage], static_cast<int>(g * kKGroup), t.head,
+                        static_cast<int>(t.m0));
+        sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
+                        t.head, static_cast<int>(g));
+        if (++stage == stages) { stage = 0; phase ^= 1; }
+      }
+    }
+    return;
+  }
+
+  // --------------------------------------------------------------------------------- consumers
+  sm90::SetMaxNReg<Occupancy<kTok>::kConsumerRegs>();
+  const int cw = wg - 1;                 // consumer warpgroup: weight rows [64 cw, 64 cw + 64)
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32, lane = tid % 32;
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int64_t u = blockIdx.x; u < total_units; u += gridDim.x) {
+    const Unit t = DecodeUnit<kTok>(p, table, u, feat_tiles, groups);
+    const int64_t row0 = t.f0 + cw * 64 + warp * 16 + lane / 4;  // this thread's rows: row0, row0 + 8
+    float total[kTok / 2];
+#pragma unroll
+    for (int i = 0; i < kTok / 2; ++i) total[i] = 0.0f;
+
+    const int64_t g_begin = t.zero ? t.g1 : t.g0;
+    float next_sw0 = 0.0f, next_sw1 = 0.0f;  // weight scales, loaded one group ahead
+    if (g_begin < t.g1) {
+      next_sw0 = LoadWeightScale(p, t.b, row0, g_begin, groups);
+      next_sw1 = LoadWeightScale(p, t.b, row0 + 8, g_begin, groups);
+    }
+    for (int64_t g = g_begin; g < t.g1; ++g) {
+      const float sw0 = next_sw0, sw1 = next_sw1;
+      sm90::MbarWait(&full[stage], phase);
+      uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
+      const uint8_t* a_tile;
+      if constexpr (kInt4) {
+        // int4 rows [64 cw, 64 cw + 64) -> fp8, stored K-major with the 128-byte swizzle wgmma reads.
+        uint8_t* dst = abuf + cw * 64 * kKGroup;
+        const uint32_t src = sm90::SmemAddr(st + cw * 64 * (kKGroup / 2)), dst_addr = sm90::SmemAddr(dst);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int job = tid + 128 * i;          // 64 rows x 8 chunks of 16 codes
+          const int r = job / 8, c = job % 8;
+          const uint2 q = sm90::LdShared64(src + r * 64 + c * 8);
+          uint4 v;
+          v.x = Int4x4ToE4m3(q.x);
+          v.y = Int4x4ToE4m3(q.x >> 16);
+          v.z = Int4x4ToE4m3(q.y);
+          v.w = Int4x4ToE4m3(q.y >> 16);
+          sm90::StShared128(dst_addr + r * 128 + ((c ^ (r % 8)) * 16), v);
+        }
+        sm90::FenceProxyAsyncShared();
+        sm90::NamedBarrierSync(1 + cw, 128);
+        a_tile = dst;
+      } else {
+        a_tile = st + cw * 64 * kKGroup;
+      }
+      const uint8_t* x_tile = st + L::kWBytes;
+      float acc[kTok / 2];
+      sm90::WgmmaFence();
+#pragma unroll
+      for (int kc = 0; kc < 4; ++kc)
+        Wgmma<kTok>(acc, sm90::DescSw128(a_tile, kc * 32), sm90::DescSw128(x_tile, kc * 32), kc > 0);
+      sm90::WgmmaCommit();
+      if (g + 1 < t.g1) {
+        next_sw0 = LoadWeightScale(p, t.b, row0, g + 1, groups);
+        next_sw1 = LoadWeightScale(p, t.b, row0 + 8, g + 1, groups);
+      }
+      sm90::WgmmaWait<0>();
+      const float* sx = reinterpret_cast<const float*>(st + L::kWBytes + L::kXBytes) + (t.m0 & 3);
+#pragma unroll
+      for (int i = 0; i < kTok / 2; ++i) {
+        const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+        total[i] = fmaf(((i / 2) % 2 ? sw1 : sw0) * sx[col], acc[i], total[i]);
+      }
+      __syncwarp();
+      if (lane == 0) sm90::MbarArrive(&empty[stage]);
+      if constexpr (kInt4) sm90::NamedBarrierSync(1 + cw, 128);  // abuf free before the next conversion
+      if (++stage == stages) { stage = 0; phase ^= 1; }
+    }
+
+    // Epilogue: rows of this batch only; features < F.
+#pragma unroll
+    for (int i = 0; i < kTok / 2; ++i) {
+      const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+      const int64_t f = row0 + 8 * ((i / 2) % 2);
+      if (m >= t.m_end || f >= p.f) continue;
+      const int64_t idx = (m * p.h + t.head) * p.f + f;
+      if (p.split_k > 1) {
+        atomicAdd(p.split_ws + idx, total[i]);
+      } else if (p.out_bf16) {
+        static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(total[i]);
+      } else {
+        static_cast<float*>(p.out)[idx] = total[i];
+      }
+    }
+  }
+}
+
+__global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
+                                       int64_t groups, int64_t mp) {
+  const int64_t n = groups * h * mp;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i % mp, head = (i / mp) % h, g = i / (mp * h);
+    float v = 0.0f;
+    if (row < m) {
+      switch (kind) {
+        case ActScaleKind::kTensorF32: v = static_cast<const float*>(src)[0]; break;
+        case ActScaleKind::kTokenF32: v = static_cast<const float*>(src)[row]; break;
+        case ActScaleKind::kGroupF32: v = static_cast<const float*>(src)[(row * h + head) * groups + g]; break;
+        default: v = Ue8m0ToFloat(static_cast<const uint8_t*>(src)[(row * h + head) * groups + g]); break;
+      }
+    }
+    dst[i] = v;
+  }
+}
+
+__global__ void FinishSplitK(const float* ws, void* out, bool out_bf16, int64_t n) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    if (out_bf16) static_cast<uint16_t*>(out)[i] = FloatToBf16Bits(ws[i]);
+    else static_cast<float*>(out)[i] = ws[i];
+  }
+}
+
+// ------------------------------------------------------------------------------------------ host
+PFN_cuTensorMapEncodeTiled_v12000 EncodeFn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+bool Encode3d(CUtensorMap* map, CUtensorMapDataType type, int elem_bytes, const void* base, uint64_t d0,
+              uint64_t d1, uint64_t d2, uint32_t b0, uint32_t b1, uint32_t b2, CUtensorMapSwizzle swizzle) {
+  auto fn = EncodeFn();
+  if (fn == nullptr) return false;
+  const cuuint64_t dims[3] = {d0, d1, d2};
+  const cuuint64_t strides[2] = {d0 * elem_bytes, d0 * d1 * elem_bytes};
+  const cuuint32_t box[3] = {b0, b1, b2};
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  return fn(map, type, 3, const_cast<void*>(base), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+struct DeviceInfo {
+  int sms = 0, major = 0, minor = 0;
+  size_t smem_optin = 0;
+};
+
+DeviceInfo CurrentDevice() {
+  static std::mutex mu;
+  static DeviceInfo cache[64];
+  static bool known[64] = {};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 64 && known[dev]) return cache[dev];
+  DeviceInfo info;
+  int v = 0;
+  cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev);
+  cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev);
+  cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, dev);
+  cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev);
+  info.smem_optin = static_cast<size_t>(v);
+  if (dev < 64) { cache[dev] = info; known[dev] = true; }
+  return info;
+}
+
+size_t TableBytes(int64_t nb) { return static_cast<size_t>(nb + 1) * 8 + static_cast<size_t>(nb) * 8; }
+
+template <int kTok, bool kInt4>
+cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
+  using L = Layout<kTok, kInt4>;
+  const int64_t nb = p.b + 1;
+  const size_t fixed = L::kABufBytes + 1024 + TableBytes(nb);
+  constexpr int kBlocks = Occupancy<kTok>::kBlocksPerSm;
+  const size_t budget = std::min(kSmemBudget / kBlocks - (kBlocks - 1) * 2048, dev.smem_optin);
+  int stages = static_cast<int>((budget - fixed - 16 * 8) / (L::kStageBytes + 16));
+  stages = std::max(2, std::min(stages, 8));
+  const size_t smem = static_cast<size_t>(stages) * (L::kStageBytes + 16) + fixed;
+  if (smem > dev.smem_optin) return cudaErrorInvalidConfiguration;
+
+  CUtensorMap map_w, map_x, map_sx;
+  const int64_t kb = kInt4 ? p.k / 2 : p.k;
+  bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, p.f, p.b, kInt4 ? kKGroup / 2 : kKGroup,
+                     kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B);
+  ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.x, p.k, p.h, p.m, kKGroup, 1, kTok,
+                      CU_TENSOR_MAP_SWIZZLE_128B);
+  ok = ok && Encode3d(&map_sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.sx, p.mp, p.h, p.k / kKGroup, L::kSxBox, 1, 1,
+                      CU_TENSOR_MAP_SWIZZLE_NONE);
+  if (!ok) return cudaErrorInvalidValue;
+
+  auto kernel = HopperGemmKernel<kTok, kInt4>;
+  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      e != cudaSuccess)
+    return e;
+  const int64_t out_elems = p.m * p.h * p.f;
+  if (p.split_k > 1) {
+    if (cudaError_t e = cudaMemsetAsync(p.split_ws, 0, out_elems * sizeof(float), stream); e != cudaSuccess) return e;
+  }
+  KernelArgs args{p, stages, p.k / kKGroup};
+  kernel<<<dev.sms * kBlocks, kThreads, smem, stream>>>(args, map_w, map_x, map_sx);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  if (p.split_k > 1) {
+    const int blocks = static_cast<int>(std::min<int64_t>((out_elems + 255) / 256, dev.sms * 8));
+    FinishSplitK<<<blocks, 256, 0, stream>>>(p.split_ws, p.out, p.out_bf16, out_elems);
+    return cudaGetLastError();
+  }
+  return cudaSuccess;
+}
+
+template <bool kInt4>
+cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
+  switch (p.tile_tokens) {
+    case 16: return Launch<16, kInt4>(p, stream, dev);
+    case 32: return Launch<32, kInt4>(p, stream, dev);
+    case 64: return Launch<64, kInt4>(p, stream, dev);
+    case 128: return Launch<128, kInt4>(p, stream, dev);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
+  const DeviceInfo dev = CurrentDevice();
+  if (dev.major != 9) { *why = "not a Hopper (sm_90) device"; return false; }
+  if (EncodeFn() == nullptr) { *why = "cuTensorMapEncodeTiled unavailable"; return false; }
+  if (p.b > kMaxBatches) { *why = "more than 1024 experts/heads"; return false; }
+  if (p.m >= (int64_t{1} << 31) || p.f >= (int64_t{1} << 31) || p.h >= (int64_t{1} << 31)) {
+    *why = "dimension too large for TMA coordinates"; return false;
+  }
+  if (p.tile_tokens != 16 && p.tile_tokens != 32 && p.tile_tokens != 64 && p.tile_tokens != 128) {
+    *why = "tile_tokens must be 16, 32, 64 or 128"; return false;
+  }
+  return true;
+}
+
+size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k) {
+  const int64_t mp = (m + 3) / 4 * 4;
+  size_t bytes = static_cast<size_t>(k / kKGroup) * h * mp * sizeof(float);
+  bytes = (bytes + 255) / 256 * 256;
+  if (split_k > 1) bytes += static_cast<size_t>(m) * h * f * sizeof(float);
+  return bytes;
+}
+
+cudaError_t PrepareActivationScales(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
+                                    int64_t groups, cudaStream_t stream) {
+  const int64_t mp = (m + 3) / 4 * 4, n = groups * h * mp;
+  if (n == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
+  PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(src, kind, dst, m, h, groups, mp);
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
+  const DeviceInfo dev = CurrentDevice();
+  return p.w_int4 ? LaunchTok<true>(p, stream, dev) : LaunchTok<false>(p, stream, dev);
+}
+
+}  // namespace jax_w4a8

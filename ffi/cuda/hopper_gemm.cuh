@@ -1,0 +1,51 @@
+// The Hopper tensor-core kernel behind both ops: a persistent, warp-specialised, TMA-fed fp8 wgmma
+// GEMM with float32 promotion per 128-wide K group, run "swap AB" (weights on the wide MMA side).
+//
+// Problem, for each batch b (an expert of the grouped GEMM, or a head of the per-head einsum):
+//   out[m, head, f] = sum_g sx[g, head, m] * sw(b, f, g) * sum_{k in g} x[m, head, k] * w[b, f, k]
+// with m over the batch's token rows: [start_b, end_b) from the clamped group sizes (grouped, H == 1,
+// head 0), or [0, M) for every head (einsum, B == H, head b). Weights are packed int4 (converted to
+// fp8 exactly in shared memory) or e4m3.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace jax_w4a8 {
+
+enum class WeightScaleType : int { kF32 = 0, kBf16 = 1, kUe8m0 = 2 };
+
+struct HopperGemmParams {
+  const void* x;               // e4m3 [M, H, K]
+  const void* w;               // int4 packed [B, F, K/2] (w_int4) or e4m3 [B, F, K]
+  bool w_int4;
+  const float* sx;             // float32 [G, H, Mp] activation scales, Mp = M rounded up to 4
+  const void* sw;              // [B, sw_rows, G] weight scales of type sw_type
+  WeightScaleType sw_type;
+  int64_t sw_rows;             // F (per-row scales) or ceil(F / 128) (128-row blocks)
+  int sw_row_shift;            // 0 (per row) or 7 (per 128 rows)
+  const int32_t* group_sizes;  // [B] for the grouped GEMM (H == 1); nullptr for the einsum
+  void* out;                   // [M, H, F] bfloat16 or float32
+  bool out_bf16;
+  float* split_ws;             // float32 [M, H, F] scratch, needed when split_k > 1
+  int64_t m, h, f, k, b, mp;
+  int split_k;                 // K groups split across this many units (fp32 atomics + a finish pass)
+  int tile_tokens;             // 16, 32, 64 or 128
+};
+
+// Whether the current device and these shapes can take the tensor-core kernel (else use the simple one).
+bool HopperGemmSupported(const HopperGemmParams& p, const char** why);
+
+// Bytes of scratch LaunchHopperGemm needs: the prepared activation scales and the split-K workspace.
+size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k);
+
+cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream);
+
+// Activation scales in the layout the kernel reads: float32 [G, H, Mp] (zero past M), from a scalar,
+// [M] float32, [M, H, G] float32 or [M, H, G] UE8M0 codes.
+enum class ActScaleKind : int { kTensorF32, kTokenF32, kGroupF32, kGroupUe8m0 };
+cudaError_t PrepareActivationScales(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
+                                    int64_t groups, cudaStream_t stream);
+
+}  // namespace jax_w4a8

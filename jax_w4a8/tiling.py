@@ -1,0 +1,79 @@
+"""How the CUDA handlers cut a GEMM into tensor-core tiles: chosen from static shapes plus an
+optional hint of expected rows per expert, never from device data (so no host sync and no
+recompilation when ``group_sizes`` change).
+
+The Hopper kernel (``ffi/cuda/hopper_gemm.cu``) runs "swap AB": 128 weight rows (two warpgroups of
+64) on the wide side of the MMA and ``tile_tokens`` activation rows on the narrow side, one 128-wide K
+group per pipeline stage. The heuristic:
+
+* ``tile_tokens``: the smallest of 16, 32, 64, 128 that holds the expected rows of one batch (an
+  expert of the grouped GEMM, or all M rows of a head of the einsum). Decode (a few rows per
+  expert) reads every weight once with a narrow tile; prefill uses 128 for arithmetic intensity.
+* ``split_k``: when the expected units of work (batches x token tiles x 128-row weight tiles) do
+  not fill the GPU's SMs, the K groups are split so that about two units run per SM; partial sums
+  are added in float32 and rounded once at the end.
+* ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+
+__all__ = ["GemmPlan", "plan_grouped_gemm", "plan_fp8_einsum", "TILE_TOKENS"]
+
+TILE_TOKENS = (16, 32, 64, 128)
+_FEAT_TILE = 128
+_DEFAULT_SMS = 132  # H100 / H200 SXM
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmPlan:
+    """Static launch plan of one CUDA GEMM call (what the benchmark prints)."""
+
+    tile_tokens: int  # 0 (simple kernel), 16, 32, 64 or 128
+    split_k: int
+    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ the split-K fp32 workspace)
+    units: int  # expected units of work
+
+
+def _num_sms() -> int:
+    try:
+        dev = jax.devices("gpu")[0]
+        return int(getattr(dev, "core_count", 0)) or _DEFAULT_SMS
+    except RuntimeError:
+        return _DEFAULT_SMS
+
+
+def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens: int | None,
+          num_sms: int | None) -> GemmPlan:
+    groups = k // 128
+    if tile_tokens is None:
+        tile_tokens = next((t for t in TILE_TOKENS if rows <= t), TILE_TOKENS[-1])
+    if tile_tokens not in (0,) + TILE_TOKENS:
+        raise ValueError(f"argument 'tile_tokens' must be None, 0 or one of {TILE_TOKENS}, got {tile_tokens!r}")
+    if tile_tokens == 0:
+        return GemmPlan(0, 1, 0, 0)
+    sms = num_sms or _num_sms()
+    units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
+    split = 1 if units >= sms else max(1, min(math.ceil(2 * sms / units), groups, 16))
+    mp = -(-m // 4) * 4
+    scratch = -(-(groups * h * mp * 4) // 256) * 256
+    if split > 1:
+        scratch += m * h * f * 4
+    return GemmPlan(tile_tokens, split, scratch, units)
+
+
+def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None,
+                      tile_tokens: int | None = None, num_sms: int | None = None) -> GemmPlan:
+    """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E."""
+    rows = rows_per_expert if rows_per_expert is not None else m / e
+    return _plan(m, 1, n, k, e, rows, tile_tokens, num_sms)
+
+
+def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, tile_tokens: int | None = None,
+                    num_sms: int | None = None) -> GemmPlan:
+    """Plan for ``fp8_einsum`` in canonical form: x [M, H, K], w [H, N, K]."""
+    return _plan(m, h, n, k, h, m, tile_tokens, num_sms)
