@@ -113,10 +113,28 @@ def run(args):
             for name, tp in peers.items():
                 r[f"{name}_us"] = tp * 1e6
                 r[f"x_{name}"] = tp / t
+            if shape == "gate_up":  # fused up-projection vs GEMM + SiLU-mul + quantize, unfused
+                inter = n // 2
+                fused = jax.jit(ops.w4a8_moe_up)
+                unfused = jax.jit(lambda a, sa, w, s, gs: _unfused_up(ops, a, sa, w, s, gs, inter))
+                sets = [(x8, xs, w, s_, sizes) for w, s_ in zip(w4, ws)]
+                r["fused_up_us"] = C.bench(fused, sets) * 1e6
+                r["unfused_up_us"] = C.bench(unfused, sets) * 1e6
+                r["x_unfused_up"] = r["unfused_up_us"] / r["fused_up_us"]
             rows.append(r)
             print(fmt_row(r), flush=True)
         del w4, ws, wb, w8t, wi4
     return dict(copy_bw=bw, copy_bw_detail=bw_detail, rows=rows)
+
+
+def _unfused_up(ops, x8, xs, w, s, sizes, inter):
+    """What the fused op replaces: bf16 [M, 2I] to memory, SiLU-mul, then the fp8 quantizer kernel."""
+    import jax
+    import jax.numpy as jnp
+
+    y = ops.w4a8_grouped_gemm(x8, xs, w, s, sizes)
+    h = (jax.nn.silu(y[:, :inter].astype(jnp.float32)) * y[:, inter:].astype(jnp.float32)).astype(jnp.bfloat16)
+    return ops.quantize_fp8_groups(h, ue8m0=True)
 
 
 def torch_peers(m, n, k, sizes):
@@ -149,14 +167,17 @@ PEERS = ["pallas_bf16", "pallas_fp8", "torch_scaled_grouped_mm_fp8", "torch_grou
 
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
+    fused = (f" | fused up {r['fused_up_us']:.0f} us vs unfused {r['unfused_up_us']:.0f} us"
+             if "fused_up_us" in r else "")
     return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
-            f"err {r['rel_err_vs_simple']:.1e} | {peers}")
+            f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}")
 
 
 def report(payload, out):
     rows = payload["rows"]
-    cols = ["shape", "M", "routing", "plan", "us", "TFLOP/s", "weight GB/s", "% copy BW"] + [f"vs {p}" for p in PEERS]
+    cols = (["shape", "M", "routing", "plan", "us", "TFLOP/s", "weight GB/s", "% copy BW"] + [f"vs {p}" for p in PEERS]
+            + ["fused up-proj us (unfused)"])
     md = []
     for r in rows:
         d = {"shape": r["shape"], "M": r["M"], "routing": r["routing"], "plan": r["plan"],
@@ -165,6 +186,8 @@ def report(payload, out):
         for p in PEERS:
             if f"x_{p}" in r:
                 d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x ({r[f'{p}_us']:.0f} us)"
+        if "fused_up_us" in r:
+            d["fused up-proj us (unfused)"] = f"{r['fused_up_us']:.0f} ({r['unfused_up_us']:.0f})"
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
             f"`python benchmarks/bench_grouped_gemm.py`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "

@@ -16,6 +16,10 @@
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8GroupedGemm));
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8Fp8Einsum));
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8Ue8m0Pack));
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8QuantizeFp8Groups));
+#if defined(JAX_W4A8_CUDA)
+XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxW4a8MoeUpCuda);  // CUDA only: other platforms compose unfused ops
+#endif
 
 namespace nb = nanobind;
 
@@ -32,6 +36,10 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
     d["jax_w4a8_w4a8_grouped_gemm"] = Capsule(JAX_W4A8_HANDLER(JaxW4a8GroupedGemm));
     d["jax_w4a8_fp8_einsum"] = Capsule(JAX_W4A8_HANDLER(JaxW4a8Fp8Einsum));
     d["jax_w4a8_ue8m0_pack"] = Capsule(JAX_W4A8_HANDLER(JaxW4a8Ue8m0Pack));
+    d["jax_w4a8_quantize_fp8_groups"] = Capsule(JAX_W4A8_HANDLER(JaxW4a8QuantizeFp8Groups));
+#if defined(JAX_W4A8_CUDA)
+    d["jax_w4a8_w4a8_moe_up"] = Capsule(JaxW4a8MoeUpCuda);
+#endif
     return d;
   });
 }

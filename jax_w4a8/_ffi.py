@@ -21,6 +21,8 @@ TARGETS = {
     "w4a8_grouped_gemm": "jax_w4a8_w4a8_grouped_gemm",
     "fp8_einsum": "jax_w4a8_fp8_einsum",
     "ue8m0_pack": "jax_w4a8_ue8m0_pack",
+    "quantize_fp8_groups": "jax_w4a8_quantize_fp8_groups",
+    "w4a8_moe_up": "jax_w4a8_w4a8_moe_up",  # CUDA only
 }
 
 _MODULES = {"cpu": ("_ffi_cpu", "cpu"), "cuda": ("_ffi_cuda", "CUDA")}

@@ -23,7 +23,7 @@ import numpy as np
 from jax_w4a8 import quant, reference, tiling
 from jax_w4a8._ffi import TARGETS, ffi_available
 
-__all__ = ["w4a8_grouped_gemm", "fp8_einsum", "pack_ue8m0"]
+__all__ = ["w4a8_grouped_gemm", "w4a8_moe_up", "fp8_einsum", "pack_ue8m0", "quantize_fp8_groups"]
 
 _IMPLS = ("auto", "ffi", "reference")
 _SCALE_CODE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e8m0fnu))
@@ -318,3 +318,115 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     ref_fn = functools.partial(reference.fp8_einsum, out_dtype=out_dtype)
     out = _dispatch(impl, cpu_fn, cuda_fn, ref_fn, x, x_scale, w, w_scale)
     return out[:, 0] if h is None else out
+
+
+# ----------------------------------------------------------------------------------------------
+# Activation quantizer
+# ----------------------------------------------------------------------------------------------
+def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="auto"):
+    """Per-token, per-128-channel fp8 quantization in one pass (DeepSeek ``act_quant``), as a kernel.
+
+    Same contract as :func:`jax_w4a8.quant.quantize_fp8_groups` (its reference):
+    ``amax = max(|x| over the group, 1e-4)``, ``s = amax / 448`` (rounded up to a power of two first
+    when ``ue8m0``), ``x8 = e4m3(x / s)`` saturating.
+
+    Args:
+      x: bfloat16 or float32 [..., K], K a multiple of 128 (other group sizes use the reference).
+    Returns:
+      (float8_e4m3fn [..., K], float32 scales [..., K // group_size]).
+    """
+    op = "quantize_fp8_groups"
+    _check_impl(op, impl)
+    x = jnp.asarray(x)
+    _check_dtype(op, "x", x, [jnp.bfloat16, jnp.float32])
+    if x.ndim < 1 or x.shape[-1] == 0 or x.shape[-1] % group_size:
+        _fail(op, "x", f"must have its last axis a positive multiple of group_size={group_size}, got {x.shape}")
+    ref_fn = functools.partial(quant.quantize_fp8_groups, group_size=group_size, ue8m0=ue8m0)
+    if group_size != 128:
+        return ref_fn(x)
+    types = (jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct(x.shape[:-1] + (x.shape[-1] // 128,), jnp.float32))
+
+    def ffi_fn(v):
+        return tuple(jax.ffi.ffi_call(TARGETS["quantize_fp8_groups"], types, vmap_method="broadcast_all")(
+            v, ue8m0=bool(ue8m0)))
+
+    return _dispatch(impl, ffi_fn, ffi_fn, ref_fn, x)
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused MoE up-projection
+# ----------------------------------------------------------------------------------------------
+def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None, impl="auto",
+                rows_per_expert=None, tile_tokens=None):
+    """MoE gate+up grouped GEMM fused with SiLU(gate) * up and fp8 quantization for the down projection.
+
+    ``h = silu(gate) * up`` with gate and up the float32 results of :func:`w4a8_grouped_gemm` on the
+    rows [0, I) and [I, 2I) of ``w13``, then:
+
+    * ``down_input_scale`` given (static, the checkpoint's per-tensor ``input_scale`` of w2):
+      ``h8 = e4m3(clip(h / s))``, returned with ``s``;
+    * ``down_input_scale=None`` (dynamic): per token and 128 channels, ``s = ceil_to_ue8m0(max(amax,
+      1e-4) / 448)`` rounded *before* quantizing, ``h8 = e4m3(h / s)``.
+
+    On Hopper the CUDA kernel does this in the GEMM epilogue, so the [M, 2I] intermediate never goes
+    to memory; elsewhere (and for I not a multiple of 128) the ops are composed unfused.
+
+    Args:
+      x, x_scale, group_sizes: as :func:`w4a8_grouped_gemm`.
+      w13: int8 packed int4 [E, 2I, K/2], gate rows first; w13_scale: float32/bfloat16 [E, 2I, K/128].
+      down_input_scale: optional float32 scalar.
+    Returns:
+      (h8 float8_e4m3fn [M, I], scale): float32 [M, I // 128] (dynamic) or the scalar (static). Rows
+      not owned by any expert give h = 0 (codes 0).
+    """
+    op = "w4a8_moe_up"
+    _check_impl(op, impl)
+    w13 = jnp.asarray(w13)
+    if w13.ndim != 3 or w13.shape[1] % 2:
+        _fail(op, "w13", f"must be [E, 2I, K/2] with gate rows then up rows, got shape {w13.shape}")
+    static = down_input_scale is not None
+    if static:
+        down_input_scale = jnp.asarray(down_input_scale, jnp.float32)
+        if down_input_scale.size != 1:
+            _fail(op, "down_input_scale", f"must be a scalar, got shape {down_input_scale.shape}")
+        down_input_scale = down_input_scale.reshape(())
+    inter = w13.shape[1] // 2
+
+    def unfused(ffi_impl):
+        y = w4a8_grouped_gemm(x, x_scale, w13, w13_scale, group_sizes, out_dtype=jnp.float32, impl=ffi_impl,
+                              rows_per_expert=rows_per_expert)
+        h = jax.nn.silu(y[:, :inter]) * y[:, inter:]
+        if static:
+            return quant.quantize_fp8_tensor(h, down_input_scale), down_input_scale
+        if inter % 128:
+            return quant.quantize_fp8_groups(h, ue8m0=True)
+        return quantize_fp8_groups(h, ue8m0=True, impl=ffi_impl)
+
+    # Validation of every other argument happens here, at trace time.
+    jax.eval_shape(lambda: unfused("reference"))
+    if impl == "reference":
+        return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale)
+    if inter % 128 or not ffi_available("cuda"):
+        return unfused(impl)
+    m, k = x.shape
+    e = w13.shape[0]
+    plan = tiling.plan_moe_up(m, e, inter, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens)
+    x_scale = jnp.asarray(x_scale)
+    if x_scale.size == 1 and x_scale.ndim <= 1:
+        x_scale = x_scale.reshape(1)
+    types = (jax.ShapeDtypeStruct((m, inter), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct((1,) if static else (m, inter // 128), jnp.float32),
+             jax.ShapeDtypeStruct((plan.scratch_bytes,), jnp.uint8))
+    scale_in = down_input_scale.reshape(1) if static else jnp.ones((1,), jnp.float32)
+
+    def cuda_fn(*args):
+        h8, hs, _ = jax.ffi.ffi_call(TARGETS["w4a8_moe_up"], types, vmap_method="sequential")(
+            *args, tile_tokens=np.int32(plan.tile_tokens), static_scale=static)
+        return (h8, hs.reshape(())) if static else (h8, hs)
+
+    def other_fn(*args):
+        return unfused(impl)
+
+    args = (jnp.asarray(x), x_scale, w13, jnp.asarray(w13_scale), jnp.asarray(group_sizes), scale_in)
+    return jax.lax.platform_dependent(*args, cuda=cuda_fn, default=other_fn)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax_w4a8 import quant
 
-__all__ = ["expert_of_rows", "w4a8_grouped_gemm", "fp8_einsum", "scale_to_f32"]
+__all__ = ["expert_of_rows", "w4a8_grouped_gemm", "w4a8_moe_up", "fp8_einsum", "scale_to_f32"]
 
 _HI = jax.lax.Precision.HIGHEST
 
@@ -96,3 +96,19 @@ def fp8_einsum(x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16):
     part = jnp.einsum("mhgk,hngk->mhng", xg, wg, precision=_HI)
     out = jnp.einsum("mhng,mhg,hng->mhn", part, sa, sb, precision=_HI)
     return out.astype(out_dtype)
+
+
+def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None):
+    """The fused MoE up-projection, unfused in fp32 (see :func:`jax_w4a8.ops.w4a8_moe_up`).
+
+    ``h = silu(gate) * up`` from the float32 grouped GEMM (gate rows [0, I), up rows [I, 2I) of w13),
+    then fp8 codes: per tensor with ``down_input_scale``, else per token and 128 channels with UE8M0
+    scales. Rows not owned by any expert have h = 0.
+    """
+    y = w4a8_grouped_gemm(x, x_scale, w13, w13_scale, group_sizes, out_dtype=jnp.float32)
+    inter = y.shape[-1] // 2
+    h = jax.nn.silu(y[:, :inter]) * y[:, inter:]
+    if down_input_scale is not None:
+        s = jnp.asarray(down_input_scale, jnp.float32).reshape(())
+        return quant.quantize_fp8_tensor(h, s), s
+    return quant.quantize_fp8_groups(h, ue8m0=True)

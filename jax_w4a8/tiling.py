@@ -22,7 +22,7 @@ import math
 
 import jax
 
-__all__ = ["GemmPlan", "plan_grouped_gemm", "plan_fp8_einsum", "TILE_TOKENS"]
+__all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS"]
 
 TILE_TOKENS = (16, 32, 64, 128)
 _FEAT_TILE = 128
@@ -71,6 +71,20 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E."""
     rows = rows_per_expert if rows_per_expert is not None else m / e
     return _plan(m, 1, n, k, e, rows, tile_tokens, num_sms)
+
+
+def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | None = None,
+                tile_tokens: int | None = None, num_sms: int | None = None) -> GemmPlan:
+    """Plan for the fused ``w4a8_moe_up`` (gate and up accumulators: token tiles up to 64, no split-K)."""
+    rows = rows_per_expert if rows_per_expert is not None else m / e
+    if tile_tokens is None:
+        tile_tokens = next((t for t in TILE_TOKENS if rows <= t), 64)
+        tile_tokens = min(tile_tokens, 64)
+    if tile_tokens not in TILE_TOKENS[:3]:
+        raise ValueError(f"argument 'tile_tokens' must be None, 16, 32 or 64 for the fused kernel, got {tile_tokens!r}")
+    plan = _plan(m, 1, inter, k, e, rows, tile_tokens, num_sms)
+    scratch = -(-((k // 128) * (-(-m // 4) * 4) * 4) // 256) * 256
+    return GemmPlan(plan.tile_tokens, 1, scratch, plan.units)
 
 
 def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, tile_tokens: int | None = None,

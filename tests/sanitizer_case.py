@@ -33,6 +33,15 @@ def main() -> int:
         out = jax.jit(lambda *a: ops.fp8_einsum("md,nd->mn", *a, impl="ffi"))(a8, quant.encode_ue8m0(sa), w8, sw)
         ref = np_ref.fp8_einsum_mhk(a8[:, None], sa[:, None], w8[None], sw[None])[:, 0]
         ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), ref) <= 4e-3
+    for tok in (16, 64):  # the fused up-projection: w13 [E, 2I, K/2] with I = 128
+        w13, s13 = quant.quantize_w4(rng.standard_normal((3, 256, 256)).astype(np.float32))
+        args = (x8, xs, w13, s13, jnp.asarray([10, 0, 30], jnp.int32))
+        h8, hs = jax.jit(lambda *a: ops.w4a8_moe_up(*a, tile_tokens=tok))(*args)
+        r8, _ = ops.w4a8_moe_up(*args, impl="reference")
+        ok &= np.mean(np.asarray(h8).view(np.uint8) == np.asarray(r8).view(np.uint8)) > 0.97
+    q8, qs = jax.jit(lambda v: ops.quantize_fp8_groups(v, ue8m0=True, impl="ffi"))(
+        jnp.asarray(rng.standard_normal((7, 384)), jnp.bfloat16))
+    ok &= bool(np.isfinite(np.asarray(qs)).all())
     codes = jax.jit(lambda s: ops.pack_ue8m0(s, impl="ffi"))(jnp.array([1.0, 0.5, 8.0], jnp.float32))
     ok &= np.asarray(codes).tolist() == [127, 126, 130]
     print("sanitizer case:", "ok" if ok else "WRONG RESULTS")

@@ -39,11 +39,11 @@ struct GroupedGemmDims {
   bool out_bf16;
 };
 
-inline ffi::Error CheckGroupedGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scale,
-                                   const ffi::AnyBuffer& w, const ffi::AnyBuffer& w_scale,
-                                   const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& out,
-                                   GroupedGemmDims* d) {
-  const std::string op = "w4a8_grouped_gemm";
+// The inputs shared by w4a8_grouped_gemm and w4a8_moe_up.
+inline ffi::Error CheckGroupedGemmInputs(const std::string& op, const ffi::AnyBuffer& x,
+                                         const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w,
+                                         const ffi::AnyBuffer& w_scale, const ffi::AnyBuffer& group_sizes,
+                                         GroupedGemmDims* d) {
   if (x.element_type() != ffi::F8E4M3FN || x.dimensions().size() != 2)
     return Invalid(op, "x must be float8_e4m3fn [M, K], got shape " + ShapeStr(x.dimensions()));
   d->m = x.dimensions()[0];
@@ -76,12 +76,42 @@ inline ffi::Error CheckGroupedGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer
   } else {
     return Invalid(op, "x_scale must be [1], [M] or [M, K/128], got " + ShapeStr(xs));
   }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error CheckGroupedGemm(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scale,
+                                   const ffi::AnyBuffer& w, const ffi::AnyBuffer& w_scale,
+                                   const ffi::AnyBuffer& group_sizes, const ffi::AnyBuffer& out,
+                                   GroupedGemmDims* d) {
+  const std::string op = "w4a8_grouped_gemm";
+  if (auto err = CheckGroupedGemmInputs(op, x, x_scale, w, w_scale, group_sizes, d); err.failure()) return err;
   if (out.element_type() != ffi::BF16 && out.element_type() != ffi::F32)
     return Invalid(op, "the output must be bfloat16 or float32 (never float16)");
   auto os = out.dimensions();
   if (os.size() != 2 || os[0] != d->m || os[1] != d->n)
     return Invalid(op, "the output must be [M, N], got " + ShapeStr(os));
   d->out_bf16 = out.element_type() == ffi::BF16;
+  return ffi::Error::Success();
+}
+
+// w4a8_moe_up: w13 [E, 2I, K/2] (gate rows first) -> h8 [M, I] e4m3 and h_scale ([M, I/128] or [1])
+inline ffi::Error CheckMoeUp(const ffi::AnyBuffer& x, const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w,
+                             const ffi::AnyBuffer& w_scale, const ffi::AnyBuffer& group_sizes,
+                             const ffi::AnyBuffer& down_scale, const ffi::AnyBuffer& h8,
+                             const ffi::AnyBuffer& h_scale, bool static_scale, GroupedGemmDims* d,
+                             int64_t* inter) {
+  const std::string op = "w4a8_moe_up";
+  if (auto err = CheckGroupedGemmInputs(op, x, x_scale, w, w_scale, group_sizes, d); err.failure()) return err;
+  if (d->n % (2 * kGroup)) return Invalid(op, "w13 must have 2I rows with I a multiple of 128");
+  *inter = d->n / 2;
+  if (down_scale.element_type() != ffi::F32 || down_scale.element_count() != 1)
+    return Invalid(op, "down_input_scale must be a float32 scalar");
+  auto hd = h8.dimensions();
+  if (h8.element_type() != ffi::F8E4M3FN || hd.size() != 2 || hd[0] != d->m || hd[1] != *inter)
+    return Invalid(op, "the codes output must be float8_e4m3fn [M, I]");
+  const int64_t want = static_scale ? 1 : d->m * (*inter / kGroup);
+  if (h_scale.element_type() != ffi::F32 || static_cast<int64_t>(h_scale.element_count()) != want)
+    return Invalid(op, "the scale output must be float32 [M, I/128] (dynamic) or [1] (static)");
   return ffi::Error::Success();
 }
 
@@ -144,6 +174,26 @@ inline ffi::Error CheckUe8m0Pack(const ffi::AnyBuffer& scale, const ffi::AnyBuff
   if (scale.element_type() != ffi::F32) return Invalid("pack_ue8m0", "scale must be float32");
   if (codes.element_type() != ffi::U8 || codes.element_count() != scale.element_count())
     return Invalid("pack_ue8m0", "the output must be uint8 with as many elements as scale");
+  return ffi::Error::Success();
+}
+
+// ---------------------------------------------------------------------------------------------
+// quantize_fp8_groups: x [R, K] (bf16 / f32) -> e4m3 [R, K] + f32 scales [R, K/128]
+// ---------------------------------------------------------------------------------------------
+inline ffi::Error CheckQuantizeGroups(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& s,
+                                      int64_t* rows, int64_t* k) {
+  const std::string op = "quantize_fp8_groups";
+  if (x.element_type() != ffi::BF16 && x.element_type() != ffi::F32)
+    return Invalid(op, "x must be bfloat16 or float32");
+  auto d = x.dimensions();
+  if (d.size() < 1 || d.back() <= 0 || d.back() % kGroup)
+    return Invalid(op, "x must have its last axis a positive multiple of 128, got " + ShapeStr(d));
+  *k = d.back();
+  *rows = static_cast<int64_t>(x.element_count()) / *k;
+  if (q.element_type() != ffi::F8E4M3FN || q.element_count() != x.element_count())
+    return Invalid(op, "the codes output must be float8_e4m3fn with the shape of x");
+  if (s.element_type() != ffi::F32 || static_cast<int64_t>(s.element_count()) != *rows * (*k / kGroup))
+    return Invalid(op, "the scales output must be float32 [..., K/128]");
   return ffi::Error::Success();
 }
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cmath>
 #include <cstring>
 
 #if defined(__CUDACC__)
@@ -43,6 +44,27 @@ W4A8_HD float E4m3ToFloat(uint8_t v) {
     return sign ? -mag : mag;
   }
   return BitsToFloat(sign | ((exp + 120u) << 23) | (man << 20));
+}
+
+// float -> float8_e4m3fn bits, round to nearest even, saturating to +-448; NaN -> 0x7F. Host side
+// (the CUDA kernels use the hardware conversion, which has the same semantics).
+inline uint8_t FloatToE4m3Sat(float v) {
+  const uint32_t bits = FloatToBits(v);
+  const uint8_t sign = static_cast<uint8_t>((bits >> 24) & 0x80);
+  float a = BitsToFloat(bits & 0x7FFFFFFFu);
+  if (a != a) return 0x7F;
+  if (a >= 448.0f) return sign | 0x7E;
+  if (a < 0.015625f) {  // subnormal range: steps of 2^-9, rounding may reach the smallest normal
+    const float q = std::nearbyint(a * 512.0f);
+    return sign | static_cast<uint8_t>(q);
+  }
+  int e = 0;
+  const float m = std::frexp(a, &e);  // a = m * 2^e, m in [0.5, 1)
+  float q = std::nearbyint((m * 2.0f - 1.0f) * 8.0f);
+  int exp = e - 1;
+  if (q >= 8.0f) { q = 0.0f; ++exp; }
+  const int code = ((exp + 7) << 3) | static_cast<int>(q);
+  return sign | static_cast<uint8_t>(code > 0x7E ? 0x7E : code);
 }
 
 // UE8M0 code -> float: 2^(code - 127); 0xFF is NaN; code 0 is the fp32 subnormal 2^-127.

@@ -12,6 +12,7 @@
 // second pass rounds them; otherwise each unit rounds and stores its own tile, and padding rows of
 // the grouped GEMM are zero-filled by units of their own.
 #include <cuda.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <cudaTypedefs.h>
 
@@ -39,16 +40,18 @@ struct KernelArgs {
   int64_t groups;
 };
 
-template <int kTok, bool kInt4>
+template <int kTok, bool kInt4, int kParts = 1>
 struct Layout {
-  static constexpr int kWBytes = kFeatTile * (kInt4 ? kKGroup / 2 : kKGroup);
+  static constexpr int kWPartBytes = kFeatTile * (kInt4 ? kKGroup / 2 : kKGroup);
+  static constexpr int kWBytes = kParts * kWPartBytes;  // gate and up tiles when fused
   static constexpr int kXBytes = kTok * kKGroup;
   // Activation scales: a box of kTok + 4 floats starting at the token tile's row rounded down to a
   // multiple of 4, since TMA needs the innermost start 16-byte aligned (expert tiles start anywhere).
   static constexpr int kSxBox = kTok + 4;
   static constexpr int kSxBytes = (kSxBox * 4 + 127) / 128 * 128;
   static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
-  static constexpr int kABufBytes = kInt4 ? 2 * 64 * kKGroup : 0;  // fp8 weights, one per consumer
+  static constexpr int kABufBytes = kInt4 ? kParts * 2 * 64 * kKGroup : 0;  // fp8 weights per consumer and part
+  static constexpr int kRedBytes = kParts == 2 ? 8 * kTok * 4 : 0;  // per-warp token maxima (fused epilogue)
 };
 
 __device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
@@ -66,7 +69,8 @@ __device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
 
 __device__ __forceinline__ float LoadWeightScale(const HopperGemmParams& p, int64_t b, int64_t f, int64_t g,
                                                  int64_t groups) {
-  f = f < p.f ? f : p.f - 1;
+  const int64_t rows = p.fused_up ? p.f + p.up_offset : p.f;  // fused: gate rows, then up rows
+  f = f < rows ? f : rows - 1;
   const int64_t idx = (b * p.sw_rows + (f >> p.sw_row_shift)) * groups + g;
   switch (p.sw_type) {
     case WeightScaleType::kF32: return __ldg(static_cast<const float*>(p.sw) + idx);
@@ -167,6 +171,62 @@ __device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t
   else sm90::WgmmaE4m3N128(d, a, b, scale_d);
 }
 
+__device__ __forceinline__ float CeilUe8m0(float x) {
+  const uint32_t b = __float_as_uint(x);
+  uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
+  e = min(max(e, 1u), 254u);
+  return __uint_as_float(e << 23);
+}
+
+// Fused MoE up-projection epilogue: h = silu(gate) * up in fp32, then e4m3 codes for the down
+// projection, per tensor (static scale) or per token over this unit's 128 channels (UE8M0 scale,
+// rounded up *before* quantizing). Both consumer warpgroups (256 threads) take part.
+template <int kTok>
+__device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const float (&gate)[kTok / 2],
+                                const float (&up)[kTok / 2], float* red, int cw, int warp, int lane, int64_t row0) {
+  float h[kTok / 2];
+#pragma unroll
+  for (int i = 0; i < kTok / 2; ++i) h[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+  float scale[kTok / 4];  // per token (i / 4, i % 2) of this thread
+  if (p.down_scale != nullptr) {
+    const float s = *p.down_scale;
+#pragma unroll
+    for (int j = 0; j < kTok / 4; ++j) scale[j] = s;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kTok / 4; ++j) {
+      const int i = 4 * (j / 2) + (j % 2);
+      float m = fmaxf(fabsf(h[i]), fabsf(h[i + 2]));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+      if (lane < 4) red[(cw * 4 + warp) * kTok + 8 * (j / 2) + 2 * lane + (j % 2)] = m;
+    }
+    sm90::NamedBarrierSync(3, 256);
+#pragma unroll
+    for (int j = 0; j < kTok / 4; ++j) {
+      const int col = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
+      float m = 0.0f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) m = fmaxf(m, red[w * kTok + col]);
+      scale[j] = CeilUe8m0(__fdiv_rn(fmaxf(m, 1e-4f), 448.0f));
+      const int64_t tok = t.m0 + col;
+      if (cw == 0 && warp == 0 && lane < 4 && tok < t.m_end)
+        p.h_scale[tok * (p.f / kFeatTile) + t.f0 / kFeatTile] = scale[j];
+    }
+    sm90::NamedBarrierSync(3, 256);  // red is rewritten by the next unit
+  }
+#pragma unroll
+  for (int i = 0; i < kTok / 2; ++i) {
+    const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+    const int64_t f = row0 + 8 * ((i / 2) % 2);
+    if (m >= t.m_end || f >= p.f) continue;
+    const int j = 2 * (i / 4) + (i % 2);
+    static_cast<uint8_t*>(p.out)[m * p.f + f] =
+        __nv_cvt_float_to_fp8(__fdiv_rn(h[i], scale[j]), __NV_SATFINITE, __NV_E4M3);
+  }
+}
+
 // Narrow token tiles (decode) are latency-bound per group: run two blocks per SM there.
 template <int kTok>
 struct Occupancy {
@@ -175,11 +235,11 @@ struct Occupancy {
   static constexpr uint32_t kConsumerRegs = kBlocksPerSm == 2 ? 104 : 232;
 };
 
-template <int kTok, bool kInt4>
+template <int kTok, bool kInt4, int kParts>
 __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
-  using L = Layout<kTok, kInt4>;
+  using L = Layout<kTok, kInt4, kParts>;
   const HopperGemmParams& p = args.p;
   const int stages = args.stages;
   const int64_t groups = args.groups;
@@ -195,6 +255,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
   table.prefix = reinterpret_cast<int64_t*>(empty + stages);
   table.start = reinterpret_cast<int32_t*>(table.prefix + table.nb + 1);
   table.end = table.start + table.nb;
+  float* red = reinterpret_cast<float*>(table.end + table.nb + 4);  // 16-byte aligned: nb int32 pairs
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
@@ -226,8 +287,11 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
         sm90::MbarWait(&empty[stage], phase ^ 1);
         uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
         sm90::MbarArriveExpectTx(&full[stage], L::kWBytes + L::kXBytes + L::kSxBox * 4);
-        sm90::TmaLoad3d(st, &map_w, &full[stage], static_cast<int>(g * (kInt4 ? kKGroup / 2 : kKGroup)),
-                        static_cast<int>(t.f0), static_cast<int>(t.b));
+#pragma unroll
+        for (int part = 0; part < kParts; ++part)
+          sm90::TmaLoad3d(st + part * L::kWPartBytes, &map_w, &full[stage],
+                          static_cast<int>(g * (kInt4 ? kKGroup / 2 : kKGroup)),
+                          static_cast<int>(t.f0 + part * p.up_offset), static_cast<int>(t.b));
         sm90::TmaLoad3d(st + L::kWBytes, &map_x, &full[stage], static_cast<int>(g * kKGroup), t.head,
                         static_cast<int>(t.m0));
         sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
@@ -248,60 +312,75 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
   for (int64_t u = blockIdx.x; u < total_units; u += gridDim.x) {
     const Unit t = DecodeUnit<kTok>(p, table, u, feat_tiles, groups);
     const int64_t row0 = t.f0 + cw * 64 + warp * 16 + lane / 4;  // this thread's rows: row0, row0 + 8
-    float total[kTok / 2];
+    float total[kParts][kTok / 2];
 #pragma unroll
-    for (int i = 0; i < kTok / 2; ++i) total[i] = 0.0f;
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int i = 0; i < kTok / 2; ++i) total[part][i] = 0.0f;
 
     const int64_t g_begin = t.zero ? t.g1 : t.g0;
-    float next_sw0 = 0.0f, next_sw1 = 0.0f;  // weight scales, loaded one group ahead
-    if (g_begin < t.g1) {
-      next_sw0 = LoadWeightScale(p, t.b, row0, g_begin, groups);
-      next_sw1 = LoadWeightScale(p, t.b, row0 + 8, g_begin, groups);
-    }
+    float next_sw[kParts][2] = {};  // weight scales of rows row0 and row0 + 8, loaded one group ahead
+    auto load_scales = [&](int64_t g) {
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) {
+        next_sw[part][0] = LoadWeightScale(p, t.b, row0 + part * p.up_offset, g, groups);
+        next_sw[part][1] = LoadWeightScale(p, t.b, row0 + 8 + part * p.up_offset, g, groups);
+      }
+    };
+    if (g_begin < t.g1) load_scales(g_begin);
     for (int64_t g = g_begin; g < t.g1; ++g) {
-      const float sw0 = next_sw0, sw1 = next_sw1;
+      float sw[kParts][2];
+#pragma unroll
+      for (int part = 0; part < kParts; ++part) sw[part][0] = next_sw[part][0], sw[part][1] = next_sw[part][1];
       sm90::MbarWait(&full[stage], phase);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
-      const uint8_t* a_tile;
+      const uint8_t* a_tile[kParts];
       if constexpr (kInt4) {
-        // int4 rows [64 cw, 64 cw + 64) -> fp8, stored K-major with the 128-byte swizzle wgmma reads.
-        uint8_t* dst = abuf + cw * 64 * kKGroup;
-        const uint32_t src = sm90::SmemAddr(st + cw * 64 * (kKGroup / 2)), dst_addr = sm90::SmemAddr(dst);
+        // int4 rows [64 cw, 64 cw + 64) of each part -> fp8, stored K-major with the 128-byte swizzle
+        // that wgmma reads.
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int job = tid + 128 * i;          // 64 rows x 8 chunks of 16 codes
-          const int r = job / 8, c = job % 8;
-          const uint2 q = sm90::LdShared64(src + r * 64 + c * 8);
-          uint4 v;
-          v.x = Int4x4ToE4m3(q.x);
-          v.y = Int4x4ToE4m3(q.x >> 16);
-          v.z = Int4x4ToE4m3(q.y);
-          v.w = Int4x4ToE4m3(q.y >> 16);
-          sm90::StShared128(dst_addr + r * 128 + ((c ^ (r % 8)) * 16), v);
+        for (int part = 0; part < kParts; ++part) {
+          uint8_t* dst = abuf + (cw * kParts + part) * 64 * kKGroup;
+          const uint32_t src = sm90::SmemAddr(st + part * L::kWPartBytes + cw * 64 * (kKGroup / 2));
+          const uint32_t dst_addr = sm90::SmemAddr(dst);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int job = tid + 128 * i;          // 64 rows x 8 chunks of 16 codes
+            const int r = job / 8, c = job % 8;
+            const uint2 q = sm90::LdShared64(src + r * 64 + c * 8);
+            uint4 v;
+            v.x = Int4x4ToE4m3(q.x);
+            v.y = Int4x4ToE4m3(q.x >> 16);
+            v.z = Int4x4ToE4m3(q.y);
+            v.w = Int4x4ToE4m3(q.y >> 16);
+            sm90::StShared128(dst_addr + r * 128 + ((c ^ (r % 8)) * 16), v);
+          }
+          a_tile[part] = dst;
         }
         sm90::FenceProxyAsyncShared();
         sm90::NamedBarrierSync(1 + cw, 128);
-        a_tile = dst;
       } else {
-        a_tile = st + cw * 64 * kKGroup;
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) a_tile[part] = st + part * L::kWPartBytes + cw * 64 * kKGroup;
       }
       const uint8_t* x_tile = st + L::kWBytes;
-      float acc[kTok / 2];
+      float acc[kParts][kTok / 2];
       sm90::WgmmaFence();
 #pragma unroll
       for (int kc = 0; kc < 4; ++kc)
-        Wgmma<kTok>(acc, sm90::DescSw128(a_tile, kc * 32), sm90::DescSw128(x_tile, kc * 32), kc > 0);
+#pragma unroll
+        for (int part = 0; part < kParts; ++part)
+          Wgmma<kTok>(acc[part], sm90::DescSw128(a_tile[part], kc * 32), sm90::DescSw128(x_tile, kc * 32), kc > 0);
       sm90::WgmmaCommit();
-      if (g + 1 < t.g1) {
-        next_sw0 = LoadWeightScale(p, t.b, row0, g + 1, groups);
-        next_sw1 = LoadWeightScale(p, t.b, row0 + 8, g + 1, groups);
-      }
+      if (g + 1 < t.g1) load_scales(g + 1);
       sm90::WgmmaWait<0>();
       const float* sx = reinterpret_cast<const float*>(st + L::kWBytes + L::kXBytes) + (t.m0 & 3);
 #pragma unroll
       for (int i = 0; i < kTok / 2; ++i) {
-        const int col = 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-        total[i] = fmaf(((i / 2) % 2 ? sw1 : sw0) * sx[col], acc[i], total[i]);
+        const float a = sx[8 * (i / 4) + 2 * (lane % 4) + (i % 2)];
+#pragma unroll
+        for (int part = 0; part < kParts; ++part)
+          total[part][i] = fmaf(sw[part][(i / 2) % 2] * a, acc[part][i], total[part][i]);
       }
       __syncwarp();
       if (lane == 0) sm90::MbarArrive(&empty[stage]);
@@ -309,6 +388,10 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
       if (++stage == stages) { stage = 0; phase ^= 1; }
     }
 
+    if constexpr (kParts == 2) {
+      FusedUpEpilogue<kTok>(p, t, total[0], total[1], red, cw, warp, lane, row0);
+      continue;
+    }
     // Epilogue: rows of this batch only; features < F.
 #pragma unroll
     for (int i = 0; i < kTok / 2; ++i) {
@@ -317,11 +400,11 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
       if (m >= t.m_end || f >= p.f) continue;
       const int64_t idx = (m * p.h + t.head) * p.f + f;
       if (p.split_k > 1) {
-        atomicAdd(p.split_ws + idx, total[i]);
+        atomicAdd(p.split_ws + idx, total[0][i]);
       } else if (p.out_bf16) {
-        static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(total[i]);
+        static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(total[0][i]);
       } else {
-        static_cast<float*>(p.out)[idx] = total[i];
+        static_cast<float*>(p.out)[idx] = total[0][i];
       }
     }
   }
@@ -405,11 +488,11 @@ DeviceInfo CurrentDevice() {
 
 size_t TableBytes(int64_t nb) { return static_cast<size_t>(nb + 1) * 8 + static_cast<size_t>(nb) * 8; }
 
-template <int kTok, bool kInt4>
+template <int kTok, bool kInt4, int kParts>
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
-  using L = Layout<kTok, kInt4>;
+  using L = Layout<kTok, kInt4, kParts>;
   const int64_t nb = p.b + 1;
-  const size_t fixed = L::kABufBytes + 1024 + TableBytes(nb);
+  const size_t fixed = L::kABufBytes + 1024 + TableBytes(nb) + 16 + L::kRedBytes;
   constexpr int kBlocks = Occupancy<kTok>::kBlocksPerSm;
   const size_t budget = std::min(kSmemBudget / kBlocks - (kBlocks - 1) * 2048, dev.smem_optin);
   int stages = static_cast<int>((budget - fixed - 16 * 8) / (L::kStageBytes + 16));
@@ -419,7 +502,8 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
 
   CUtensorMap map_w, map_x, map_sx;
   const int64_t kb = kInt4 ? p.k / 2 : p.k;
-  bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, p.f, p.b, kInt4 ? kKGroup / 2 : kKGroup,
+  const int64_t w_rows = p.fused_up ? p.f + p.up_offset : p.f;
+  bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, w_rows, p.b, kInt4 ? kKGroup / 2 : kKGroup,
                      kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B);
   ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.x, p.k, p.h, p.m, kKGroup, 1, kTok,
                       CU_TENSOR_MAP_SWIZZLE_128B);
@@ -427,7 +511,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
                       CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
 
-  auto kernel = HopperGemmKernel<kTok, kInt4>;
+  auto kernel = HopperGemmKernel<kTok, kInt4, kParts>;
   if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       e != cudaSuccess)
     return e;
@@ -449,10 +533,19 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
 template <bool kInt4>
 cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   switch (p.tile_tokens) {
-    case 16: return Launch<16, kInt4>(p, stream, dev);
-    case 32: return Launch<32, kInt4>(p, stream, dev);
-    case 64: return Launch<64, kInt4>(p, stream, dev);
-    case 128: return Launch<128, kInt4>(p, stream, dev);
+    case 16: return Launch<16, kInt4, 1>(p, stream, dev);
+    case 32: return Launch<32, kInt4, 1>(p, stream, dev);
+    case 64: return Launch<64, kInt4, 1>(p, stream, dev);
+    case 128: return Launch<128, kInt4, 1>(p, stream, dev);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t LaunchFusedUp(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
+  switch (p.tile_tokens) {  // gate + up accumulators: token tiles up to 64
+    case 16: return Launch<16, true, 2>(p, stream, dev);
+    case 32: return Launch<32, true, 2>(p, stream, dev);
+    case 64: return Launch<64, true, 2>(p, stream, dev);
     default: return cudaErrorInvalidValue;
   }
 }
@@ -469,6 +562,10 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   }
   if (p.tile_tokens != 16 && p.tile_tokens != 32 && p.tile_tokens != 64 && p.tile_tokens != 128) {
     *why = "tile_tokens must be 16, 32, 64 or 128"; return false;
+  }
+  if (p.fused_up && (!p.w_int4 || p.split_k != 1 || p.tile_tokens > 64 || p.f % kFeatTile)) {
+    *why = "the fused up-projection needs int4 weights, split_k 1, tile_tokens <= 64 and I % 128 == 0";
+    return false;
   }
   return true;
 }
@@ -492,6 +589,7 @@ cudaError_t PrepareActivationScales(const void* src, ActScaleKind kind, float* d
 
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const DeviceInfo dev = CurrentDevice();
+  if (p.fused_up) return LaunchFusedUp(p, stream, dev);
   return p.w_int4 ? LaunchTok<true>(p, stream, dev) : LaunchTok<false>(p, stream, dev);
 }
 

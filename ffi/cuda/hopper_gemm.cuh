@@ -32,6 +32,14 @@ struct HopperGemmParams {
   int64_t m, h, f, k, b, mp;
   int split_k;                 // K groups split across this many units (fp32 atomics + a finish pass)
   int tile_tokens;             // 16, 32, 64 or 128
+  // Fused MoE up-projection (w4a8 only, split_k 1, tile_tokens <= 64): the weights hold gate rows
+  // [0, F) and up rows [up_offset, up_offset + F); out receives e4m3 codes of silu(gate) * up [M, F]
+  // quantized per tensor by *down_scale, or per token and 128 channels with UE8M0 scales written to
+  // h_scale [M, F / 128] when down_scale is null.
+  bool fused_up = false;
+  int64_t up_offset = 0;
+  const float* down_scale = nullptr;
+  float* h_scale = nullptr;
 };
 
 // Whether the current device and these shapes can take the tensor-core kernel (else use the simple one).

@@ -1,0 +1,49 @@
+// CPU handler of ops.quantize_fp8_groups: per-token, per-128-channel fp8 quantization (SPEC 3).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "../common/checks.h"
+#include "../common/formats.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_w4a8 {
+namespace {
+
+ffi::Error QuantizeFp8GroupsCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> s,
+                                bool ue8m0) {
+  int64_t rows = 0, k = 0;
+  if (auto err = CheckQuantizeGroups(x, *q, *s, &rows, &k); err.failure()) return err;
+  const bool bf16 = x.element_type() == ffi::BF16;
+  auto* codes = static_cast<uint8_t*>(q->untyped_data());
+  auto* scales = static_cast<float*>(s->untyped_data());
+  auto value = [&](int64_t i) {
+    return bf16 ? Bf16BitsToFloat(static_cast<const uint16_t*>(x.untyped_data())[i])
+                : static_cast<const float*>(x.untyped_data())[i];
+  };
+  for (int64_t g = 0; g < rows * (k / kGroup); ++g) {
+    const int64_t base = g * kGroup;
+    float amax = 0.0f;
+    for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(value(base + j)));
+    float scale = std::max(amax, 1e-4f) / 448.0f;
+    if (ue8m0) {  // round the scale up to a power of two first, then quantize with it
+      const uint32_t b = FloatToBits(scale);
+      uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
+      e = std::min<uint32_t>(std::max<uint32_t>(e, 1), 254);
+      scale = BitsToFloat(e << 23);
+    }
+    scales[g] = scale;
+    for (int64_t j = 0; j < kGroup; ++j) codes[base + j] = FloatToE4m3Sat(value(base + j) / scale);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_w4a8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8QuantizeFp8GroupsCpu, jax_w4a8::QuantizeFp8GroupsCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Ret<xla::ffi::AnyBuffer>()   // codes
+                                  .Ret<xla::ffi::AnyBuffer>()   // scales
+                                  .Attr<bool>("ue8m0"));

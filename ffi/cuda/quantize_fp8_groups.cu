@@ -1,0 +1,99 @@
+// CUDA handler of ops.quantize_fp8_groups: bf16/f32 [R, K] -> e4m3 [R, K] + f32 scales [R, K/128] in
+// one pass. 16 threads per 128-wide group, 16-byte loads, a 4-step shuffle max, hardware saturating
+// round-to-nearest-even conversion. With ue8m0 the scale is rounded up to a power of two *before*
+// the values are divided by it.
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "../common/checks.h"
+#include "../common/formats.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_w4a8 {
+namespace {
+
+template <bool kBf16>
+__global__ void __launch_bounds__(256) QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales,
+                                                            int64_t groups, bool ue8m0) {
+  const int sub = threadIdx.x % 16;  // 16 threads x 8 values = one group
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x / 16);
+  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x / 16) + threadIdx.x / 16; g < groups; g += stride) {
+    const int64_t base = g * 128 + sub * 8;
+    float v[8];
+    if constexpr (kBf16) {
+      const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + base));
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+      }
+    } else {
+      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + base);
+      const float4 a = __ldcs(p), b = __ldcs(p + 1);
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+    float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+    if (ue8m0) {
+      const uint32_t b = __float_as_uint(scale);
+      uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
+      e = min(max(e, 1u), 254u);
+      scale = __uint_as_float(e << 23);
+    }
+    uint32_t packed[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t word = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const __nv_fp8_storage_t c = __nv_cvt_float_to_fp8(__fdiv_rn(v[4 * h + i], scale), __NV_SATFINITE, __NV_E4M3);
+        word |= static_cast<uint32_t>(c) << (8 * i);
+      }
+      packed[h] = word;
+    }
+    *reinterpret_cast<uint2*>(codes + base) = make_uint2(packed[0], packed[1]);
+    if (sub == 0) scales[g] = scale;
+  }
+}
+
+ffi::Error QuantizeFp8GroupsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
+                                 ffi::Result<ffi::AnyBuffer> s, bool ue8m0) {
+  int64_t rows = 0, k = 0;
+  if (auto err = CheckQuantizeGroups(x, *q, *s, &rows, &k); err.failure()) return err;
+  const int64_t groups = rows * (k / kGroup);
+  if (groups == 0) return ffi::Error::Success();
+  int sms = 132, dev = 0;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int blocks = static_cast<int>(std::min<int64_t>((groups + 15) / 16, static_cast<int64_t>(sms) * 8));
+  auto* codes = static_cast<uint8_t*>(q->untyped_data());
+  auto* scales = static_cast<float*>(s->untyped_data());
+  if (x.element_type() == ffi::BF16) {
+    QuantizeGroupsKernel<true><<<blocks, 256, 0, stream>>>(x.untyped_data(), codes, scales, groups, ue8m0);
+  } else {
+    QuantizeGroupsKernel<false><<<blocks, 256, 0, stream>>>(x.untyped_data(), codes, scales, groups, ue8m0);
+  }
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+    return ffi::Error::Internal(std::string("quantize_fp8_groups: launch failed: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_w4a8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8QuantizeFp8GroupsCuda, jax_w4a8::QuantizeFp8GroupsCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Ret<xla::ffi::AnyBuffer>()   // codes
+                                  .Ret<xla::ffi::AnyBuffer>()   // scales
+                                  .Attr<bool>("ue8m0"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,79 @@
+// CUDA handler of ops.w4a8_moe_up: the MoE gate+up grouped GEMM with SiLU(gate) * up and the fp8
+// re-quantization for the down projection in the epilogue (hopper_gemm.cu, fused mode), so the
+// [M, 2I] intermediate never goes to HBM. Hopper only; other GPUs take the unfused composition in
+// Python.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../common/checks.h"
+#include "hopper_gemm.cuh"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_w4a8 {
+namespace {
+
+ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
+                         ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes, ffi::AnyBuffer down_scale,
+                         ffi::Result<ffi::AnyBuffer> h8, ffi::Result<ffi::AnyBuffer> h_scale,
+                         ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, bool static_scale) {
+  GroupedGemmDims d;
+  int64_t inter = 0;
+  if (auto err = CheckMoeUp(x, x_scale, w, w_scale, group_sizes, down_scale, *h8, *h_scale, static_scale, &d,
+                            &inter);
+      err.failure())
+    return err;
+  HopperGemmParams p{};
+  p.x = x.untyped_data();
+  p.w = w.untyped_data();
+  p.w_int4 = true;
+  p.sw = w_scale.untyped_data();
+  p.sw_type = d.w_scale_bf16 ? WeightScaleType::kBf16 : WeightScaleType::kF32;
+  p.sw_rows = d.n;
+  p.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
+  p.out = h8->untyped_data();
+  p.m = d.m, p.h = 1, p.f = inter, p.k = d.k, p.b = d.e, p.mp = (d.m + 3) / 4 * 4;
+  p.split_k = 1;
+  p.tile_tokens = tile_tokens;
+  p.fused_up = true;
+  p.up_offset = inter;
+  p.down_scale = static_scale ? static_cast<const float*>(down_scale.untyped_data()) : nullptr;
+  p.h_scale = static_cast<float*>(h_scale->untyped_data());
+  const char* why = nullptr;
+  if (!HopperGemmSupported(p, &why)) return Invalid("w4a8_moe_up", std::string("fused kernel unavailable: ") + why);
+  if (d.m == 0) return ffi::Error::Success();
+  const size_t need = HopperGemmScratchBytes(d.m, 1, inter, d.k, 1);
+  if (scratch->size_bytes() < need) return Invalid("w4a8_moe_up", "scratch output too small for the tile plan");
+  auto* sx = static_cast<float*>(scratch->untyped_data());
+  p.sx = sx;
+  const ActScaleKind kind = d.x_scale_kind == XScaleKind::kTensor ? ActScaleKind::kTensorF32
+                            : d.x_scale_kind == XScaleKind::kToken ? ActScaleKind::kTokenF32
+                                                                   : ActScaleKind::kGroupF32;
+  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(), kind, sx, d.m, 1, d.groups, stream);
+  if (err == cudaSuccess && static_scale)
+    err = cudaMemcpyAsync(h_scale->untyped_data(), down_scale.untyped_data(), sizeof(float),
+                          cudaMemcpyDeviceToDevice, stream);
+  if (err == cudaSuccess) err = LaunchHopperGemm(p, stream);
+  if (err != cudaSuccess)
+    return ffi::Error::Internal(std::string("w4a8_moe_up: kernel failed: ") + cudaGetErrorString(err));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_w4a8
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8MoeUpCuda, jax_w4a8::W4a8MoeUpCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()   // x
+                                  .Arg<xla::ffi::AnyBuffer>()   // x_scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // w13 (gate rows, then up rows)
+                                  .Arg<xla::ffi::AnyBuffer>()   // w13_scale
+                                  .Arg<xla::ffi::AnyBuffer>()   // group_sizes
+                                  .Arg<xla::ffi::AnyBuffer>()   // down_input_scale (f32 scalar)
+                                  .Ret<xla::ffi::AnyBuffer>()   // h8
+                                  .Ret<xla::ffi::AnyBuffer>()   // h_scale
+                                  .Ret<xla::ffi::AnyBuffer>()   // scratch
+                                  .Attr<int32_t>("tile_tokens")
+                                  .Attr<bool>("static_scale"),
+                              {xla::ffi::Traits::kCmdBufferCompatible});

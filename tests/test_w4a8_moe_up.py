@@ -1,0 +1,84 @@
+"""ops.w4a8_moe_up: the fused gate+up GEMM, SiLU-mul and fp8 re-quantization vs float64 numpy."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import np_ref
+from jax_w4a8 import ops, quant
+from test_w4a8_grouped_gemm import make_case
+
+
+def np_moe_up(args):
+    """float64: h = silu(gate) * up from the exact grouped GEMM."""
+    y = np_ref.grouped_gemm(*args)
+    inter = y.shape[1] // 2
+    g, u = y[:, :inter], y[:, inter:]
+    return g / (1 + np.exp(-g)) * u
+
+
+def check(h8, scale, args, static_scale=None, covered=None):
+    h = np_moe_up(args)
+    codes = np.asarray(h8).astype(np.float64)
+    s = np.asarray(scale, np.float64)
+    deq = codes * (s if static_scale is not None else np.repeat(s, 128, axis=1))
+    assert np.isfinite(deq).all()
+    # e4m3 keeps 3 mantissa bits: about 2^-5 relative rounding per element on average.
+    assert np_ref.rel_err(deq, h) <= 0.04
+    if static_scale is None:
+        assert np.asarray(quant.is_ue8m0_exact(scale)).all()
+        amax = np.maximum(np.abs(h).reshape(h.shape[0], -1, 128).max(-1), 1e-4)
+        ok = s >= amax / 448 * (1 - 1e-3)  # the scale covers the group (rounded up, never down)
+        assert ok.all()
+    if covered is not None:
+        assert (codes[covered:] == 0).all()
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_matches_float64(rng, device, static):
+    m, k, inter = 50, 256, 128
+    args = make_case(rng, m, k, 2 * inter, [20, 0, 25])  # 5 padding rows
+    s = np.float32(np.abs(np_moe_up(args)).max() / 448) if static else None
+    f = jax.jit(functools.partial(ops.w4a8_moe_up, down_input_scale=s))
+    h8, scale = f(*[jax.device_put(a, device) for a in args])
+    assert h8.shape == (m, inter) and h8.dtype == jnp.float8_e4m3fn
+    check(h8, scale, args, s, covered=45)
+    r8, rs = ops.w4a8_moe_up(*args, down_input_scale=s, impl="reference")
+    same = np.mean(np.asarray(r8).view(np.uint8) == np.asarray(h8).view(np.uint8))
+    assert same > 0.97  # codes differ only where float32 summation order crosses a rounding boundary
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens", [16, 32, 64])
+@pytest.mark.parametrize("static", [False, True])
+def test_fused_kernel_every_tile(rng, device, tile_tokens, static):
+    if device.platform != "gpu":
+        pytest.skip("the fused kernel is CUDA only")
+    m, k, inter = 300, 1024, 256
+    args = make_case(rng, m, k, 2 * inter, [120, 0, 90, 3, 60, -2])
+    s = np.float32(np.abs(np_moe_up(args)).max() / 300) if static else None  # some values saturate
+    f = jax.jit(functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=tile_tokens))
+    text = f.lower(*args).as_text()
+    assert "jax_w4a8_w4a8_moe_up" in text
+    h8, scale = f(*[jax.device_put(a, device) for a in args])
+    if static:
+        assert np.isfinite(np.asarray(h8).astype(np.float32)).all()
+        h = np_moe_up(args)
+        deq = np.asarray(h8).astype(np.float64) * s
+        clipped = np.clip(h, -448 * s, 448 * s)
+        assert np_ref.rel_err(deq, clipped) <= 0.04
+    else:
+        check(h8, scale, args, covered=273)
+
+
+def test_bad_inputs(rng):
+    args = make_case(rng, 8, 128, 256, [8])
+    with pytest.raises(ValueError, match="'w13'"):
+        ops.w4a8_moe_up(args[0], args[1], args[2][:, :3], args[3], args[4])
+    with pytest.raises(ValueError, match="'down_input_scale'"):
+        ops.w4a8_moe_up(*args, down_input_scale=np.ones(3, np.float32))
+    with pytest.raises(TypeError, match="'x'"):
+        ops.w4a8_moe_up(args[0].astype(jnp.bfloat16), *args[1:])
