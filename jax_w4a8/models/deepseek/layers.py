@@ -1,0 +1,543 @@
+"""DeepSeek-V3/R1 building blocks as Flax NNX modules over small pure functions.
+
+Everything reproduces transformers 5.17's ``DeepseekV3ForCausalLM`` (``tests/golden/SEMANTICS.md``). Weights
+keep the HF layout ``[out, in]`` and HF names, so a module path *is* the checkpoint key
+(``model.layers.3.self_attn.q_a_proj.weight``).
+
+Dtypes. Activations are ``dtype`` (bfloat16, or float32 for golden comparisons) between every module.
+float32 is used only *inside* RMSNorm statistics, RoPE angles, the attention softmax (and its logits), the
+router, SiLU(gate) * up, and the MoE combine; each of those rounds back to ``dtype`` once. float16 never
+appears. Every float32 ``einsum`` runs at ``Precision.HIGHEST`` (no TF32 on GPUs).
+
+Linear formats (``Linear.quant``):
+
+* ``"none"``: ``weight`` [N, K] in ``dtype``; ``einsum("...k,nk->...n")``.
+* ``"fp8"``: ``weight`` e4m3 [N, K] + ``weight_scale_inv`` fp32 [ceil(N/128), ceil(K/128)] (DeepSeek-V3
+  blocks). Activations are quantized per token and 128-channel group (``quant.quantize_fp8_groups``;
+  power-of-two scales when ``ue8m0``) and multiplied by ``ops.fp8_einsum("md,nd->mn")``. When K is not a
+  multiple of 128 (only tiny test models; every DeepSeek dim is), activations and weights are
+  zero-padded along K to the next multiple: exact, since padded channels contribute 0 and a partial
+  group's amax is that of its real channels (the checkpoint rule "edge blocks are zero-padded before
+  amax").
+
+Routed experts (``Experts.quant``): ``"none"`` (``jax.lax.ragged_dot``), ``"fp8"`` (weights dequantized to
+``dtype`` per call, activations fake-quantized per token-group, then ``ragged_dot``: a correct but slow
+stand-in for a grouped FP8 GEMM), ``"w4a8"`` (``ops.w4a8_grouped_gemm``, K multiple of 128 required).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_w4a8 import moe, ops
+from jax_w4a8 import quant as qlib
+from jax_w4a8.models.deepseek.config import DeepseekConfig, QuantConfig
+
+__all__ = [
+    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "route", "mla_attention", "silu_mul",
+    "fake_quant_fp8_groups",
+    "RMSNorm", "Embed", "Linear", "TopkRouter", "Experts", "MLP", "MoE", "MLA", "DecoderLayer",
+]
+
+F32 = jnp.float32
+HIGHEST = jax.lax.Precision.HIGHEST
+BLOCK = 128
+
+
+def _precision(dtype):
+    """HIGHEST for float32 operands (no TF32), the default otherwise."""
+    return HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _normal(rngs: nnx.Rngs, shape, std: float):
+    return jax.random.normal(rngs.params(), shape, F32) * std
+
+
+# random-init quantizers, jitted once (eager quantizers dispatch dozens of small ops)
+_init_fp8_blocks = jax.jit(qlib.quantize_fp8_blocks, static_argnums=(1, 2))
+_init_w4 = jax.jit(qlib.quantize_w4, static_argnums=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# pure functions
+# ----------------------------------------------------------------------------------------------
+def rms_norm(x, weight, eps: float):
+    """transformers' RMSNorm: statistics in fp32, cast back to ``x.dtype``, *then* times ``weight``.
+
+    Args: x [..., D] (any float dtype); weight [D]. Returns x.dtype [..., D].
+    """
+    xf = x.astype(F32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return weight.astype(x.dtype) * y.astype(x.dtype)
+
+
+def rope_inv_freq(cfg: DeepseekConfig) -> np.ndarray:
+    """float32 [qk_rope_head_dim / 2] inverse frequencies, YaRN-blended when ``rope_type == "yarn"``.
+
+    transformers' ``_compute_default_rope_parameters`` / ``_compute_yarn_parameters`` in float32, with the
+    rotary dim taken from ``qk_rope_head_dim`` (SEMANTICS.md 4.1). The table is static: YaRN applies at
+    every position.
+    """
+    rp, d = cfg.rope, cfg.qk_rope_head_dim
+    base = np.float32(rp.rope_theta)
+    pos_freqs = base ** (np.arange(0, d, 2).astype(np.float32) / np.float32(d))
+    inv_extra = (np.float32(1.0) / pos_freqs).astype(np.float32)
+    if rp.rope_type == "default":
+        return inv_extra
+    factor = rp.factor
+    beta_fast, beta_slow = rp.beta_fast or 32, rp.beta_slow or 1
+    orig = rp.original_max_position_embeddings
+
+    def correction_dim(n_rot):
+        return d * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(rp.rope_theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rp.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extra = (np.float32(1) - ramp.astype(np.float32)).astype(np.float32)
+    inv_inter = (np.float32(1.0) / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    return (inv_inter * (np.float32(1) - extra) + inv_extra * extra).astype(np.float32)
+
+
+def rope_cos_sin(positions, cfg: DeepseekConfig, dtype):
+    """cos and sin of ``positions * inv_freq``, times YaRN's ``attention_scaling``, rounded to ``dtype``.
+
+    Args:
+      positions: int [B, T].
+    Returns:
+      (cos, sin), each ``dtype`` [B, T, qk_rope_head_dim / 2] (one angle per rotated pair).
+    """
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    ang = positions.astype(F32)[..., None] * inv
+    s = cfg.rope.attention_scaling
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    if s != 1.0:
+        cos, sin = cos * s, sin * s
+    return cos.astype(dtype), sin.astype(dtype)
+
+
+def apply_rope(x, cos, sin, interleave: bool):
+    """Rotates the last axis of ``x`` as transformers does (SEMANTICS.md 4.3).
+
+    Pairs are ``(x[2i], x[2i+1])`` when ``interleave`` (DeepSeek checkpoints), else ``(x[i], x[i+d/2])``;
+    pair i turns by the angle of ``cos[..., i]``. The result is written ``[first of each pair | second of
+    each pair]``: for ``interleave`` that is transformers' de-interleaved order. q and k get the same
+    permutation, so their dot products are those of the official adjacent-pair rotation.
+
+    Args:
+      x: [..., d] (d = qk_rope_head_dim); cos, sin: broadcastable to [..., d / 2].
+    Returns:
+      x.dtype [..., d] (rotation computed in fp32).
+    """
+    xf, c, s = x.astype(F32), cos.astype(F32), sin.astype(F32)
+    if interleave:
+        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+    else:
+        h = x.shape[-1] // 2
+        x1, x2 = xf[..., :h], xf[..., h:]
+    return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
+
+
+def route(x, weight, bias, *, n_group: int, topk_group: int, top_k: int, norm_topk_prob: bool,
+          routed_scaling_factor: float):
+    """DeepSeek-V3 group-limited sigmoid router (``noaux_tc``), entirely in float32.
+
+    ``s = sigmoid(x W^T)``; choice scores ``s + bias``; each of ``n_group`` contiguous expert groups scores
+    the sum of its top-2 choice scores; the best ``topk_group`` groups are kept and the rest masked with
+    -inf; top-``top_k`` experts by choice score; weights are the *unbiased* ``s`` of those experts, divided
+    by (their sum + 1e-20) only when ``norm_topk_prob``, then times ``routed_scaling_factor``.
+
+    Args:
+      x: float [N, D]; weight: [E, D]; bias: [E] (``e_score_correction_bias``).
+    Returns:
+      (ids int32 [N, top_k], weights float32 [N, top_k]); ids in descending choice-score order.
+    """
+    logits = jnp.einsum("nd,ed->ne", x.astype(F32), weight.astype(F32), precision=HIGHEST)
+    scores = jax.nn.sigmoid(logits)
+    choice = scores + bias.astype(F32)
+    n, e = choice.shape
+    if n_group > 1:
+        group_scores = jax.lax.top_k(choice.reshape(n, n_group, e // n_group), 2)[0].sum(-1)  # [N, G]
+        _, keep = jax.lax.top_k(group_scores, topk_group)                                    # [N, TG]
+        group_mask = jnp.any(keep[..., None] == jnp.arange(n_group), axis=-2)                # [N, G]
+        choice = jnp.where(jnp.repeat(group_mask, e // n_group, axis=-1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=-1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), weights * routed_scaling_factor
+
+
+def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float):
+    """Multi-head attention over expanded MLA keys (transformers' eager path, not absorbed).
+
+    ``score = (q_nope . k_nope + q_pe . k_pe) * scale`` in fp32 (``k_pe`` is one head shared by all
+    heads), masked, softmax in fp32, rounded to ``v.dtype``, times ``v``.
+
+    Args:
+      q_nope: [B, T, H, dn]; q_pe: [B, T, H, dr] (roped); k_nope: [B, S, H, dn]; k_pe: [B, S, dr] (roped);
+      v: [B, S, H, dv]; mask: bool [B, T, S], True where query t may attend key s.
+    Returns:
+      v.dtype [B, T, H, dv].
+    """
+    prec = _precision(v.dtype)
+    s = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=F32, precision=prec)
+    s = s + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=F32, precision=prec)
+    s = jnp.where(mask[:, None], s * scale, jnp.finfo(F32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    return jnp.einsum("bhts,bshd->bthd", p, v, preferred_element_type=F32, precision=prec).astype(v.dtype)
+
+
+def silu_mul(gate, up, dtype):
+    """``silu(gate) * up`` in fp32, rounded once to ``dtype``. gate, up: [..., I]."""
+    return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dtype)
+
+
+def _pad_last(x, multiple: int = BLOCK):
+    pad = (-x.shape[-1]) % multiple
+    return x if not pad else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+
+
+def fake_quant_fp8_groups(x, ue8m0: bool = False, dtype=None):
+    """Quantize-dequantize per token and 128-channel group: ``e4m3(x / s) * s`` (fp32 math).
+
+    The last axis is zero-padded to a multiple of 128 for the amax (exact, see module docstring).
+    Args: x float [..., K]. Returns ``dtype`` (default x.dtype) [..., K].
+    """
+    k = x.shape[-1]
+    xp = _pad_last(x)
+    x8, s = qlib.quantize_fp8_groups(xp, BLOCK, ue8m0)
+    deq = x8.astype(F32).reshape(*xp.shape[:-1], -1, BLOCK) * s[..., None]
+    return deq.reshape(xp.shape)[..., :k].astype(dtype or x.dtype)
+
+
+def _check_w4_dims(k: int, what: str):
+    if k % BLOCK:
+        raise ValueError(f"W4A8 experts need {what} ({k}) to be a multiple of 128 (int4 group size and the "
+                         f"grouped GEMM's K block); keep these experts in bf16 or FP8")
+
+
+# ----------------------------------------------------------------------------------------------
+# modules
+# ----------------------------------------------------------------------------------------------
+class RMSNorm(nnx.Module):
+    """``weight`` [D] in ``dtype``; ``__call__(x [..., D]) -> x.dtype [..., D]`` (see :func:`rms_norm`)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, dtype=jnp.bfloat16):
+        self.eps = float(eps)
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+
+    def __call__(self, x):
+        return rms_norm(x, self.weight[...], self.eps)
+
+
+class Embed(nnx.Module):
+    """``weight`` [V, D] in ``dtype``. ``__call__(ids int [B, T]) -> dtype [B, T, D]``;
+    ``attend(h [B, T, D]) -> [B, T, V]`` is the tied lm_head."""
+
+    def __init__(self, vocab_size: int, dim: int, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        self.weight = nnx.Param(_normal(rngs, (vocab_size, dim), 1.0).astype(dtype))
+
+    def __call__(self, ids):
+        return jnp.take(self.weight[...], ids, axis=0)
+
+    def attend(self, h):
+        w = self.weight[...]
+        return jnp.einsum("btd,vd->btv", h, w, precision=_precision(w.dtype)).astype(h.dtype)
+
+
+class Linear(nnx.Module):
+    """``y = x W^T (+ b)``, ``W`` [out, in] (HF layout), in one of two formats (module docstring).
+
+    Variables: ``weight`` ([N, K] ``dtype``, or e4m3 for ``quant="fp8"``), ``weight_scale_inv``
+    (fp32 [ceil(N/128), ceil(K/128)], fp8 only), ``bias`` ([N] ``dtype``, only when ``use_bias``).
+    ``__call__(x [..., K] dtype) -> dtype [..., N]``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, quant: str = "none", dtype=jnp.bfloat16,
+                 ue8m0: bool = False, use_bias: bool = False, rngs: nnx.Rngs):
+        if quant not in ("none", "fp8"):
+            raise ValueError(f"Linear: quant must be 'none' or 'fp8', got {quant!r}")
+        self.in_features, self.out_features = in_features, out_features
+        self.quant, self.dtype, self.ue8m0 = quant, jnp.dtype(dtype), bool(ue8m0)
+        w = _normal(rngs, (out_features, in_features), in_features ** -0.5)
+        if quant == "none":
+            self.weight = nnx.Param(w.astype(dtype))
+            self.weight_scale_inv = None
+        else:
+            q, s = _init_fp8_blocks(w, BLOCK, ue8m0)
+            self.weight = nnx.Param(q)
+            self.weight_scale_inv = nnx.Param(s)
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x):
+        lead, k = x.shape[:-1], x.shape[-1]
+        if self.quant == "none":
+            w = self.weight[...]
+            y = jnp.einsum("...k,nk->...n", x, w, precision=_precision(self.dtype),
+                           preferred_element_type=F32).astype(self.dtype)
+        else:
+            x2 = _pad_last(x.reshape(-1, k))
+            w = _pad_last(self.weight[...])
+            x8, xs = qlib.quantize_fp8_groups(x2, BLOCK, self.ue8m0)
+            y = ops.fp8_einsum("md,nd->mn", x8, xs, w, self.weight_scale_inv[...], out_dtype=self.dtype,
+                               ue8m0=self.ue8m0)
+            y = y.reshape(*lead, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class TopkRouter(nnx.Module):
+    """HF ``DeepseekV3TopkRouter`` (checkpoint ``mlp.gate``): ``weight`` [E, D] in ``dtype`` and
+    ``e_score_correction_bias`` fp32 [E]. ``__call__(x [N, D]) -> (ids int32 [N, K], weights fp32 [N, K])``
+    (see :func:`route`)."""
+
+    def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        e, d = cfg.n_routed_experts, cfg.hidden_size
+        self.cfg = cfg
+        self.weight = nnx.Param(_normal(rngs, (e, d), 1.5 * d ** -0.5).astype(dtype))
+        self.e_score_correction_bias = nnx.Param(_normal(rngs, (e,), 0.1))
+
+    def __call__(self, x):
+        c = self.cfg
+        return route(x, self.weight[...], self.e_score_correction_bias[...], n_group=c.n_group,
+                     topk_group=c.topk_group, top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+                     routed_scaling_factor=c.routed_scaling_factor)
+
+
+# ragged_dot_general: lhs [R, K] . rhs [E, N, K] -> [R, N] (contract lhs 1 with rhs 2, rows grouped).
+_RAGGED_NK = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _ragged_nk(x, w, group_sizes, dtype):
+    """x [R, K] rows sorted by expert, w [E, N, K], group_sizes int32 [E] -> dtype [R, N] (fp32 accumulate)."""
+    y = jax.lax.ragged_dot_general(x, w, group_sizes, _RAGGED_NK, precision=_precision(dtype),
+                                   preferred_element_type=F32)
+    return y.astype(dtype)
+
+
+class Experts(nnx.Module):
+    """The routed experts of one MoE layer: ``__call__(x_sorted [R, D], group_sizes int32 [E]) -> [R, D]``.
+
+    This is the ``experts_fn`` of :func:`jax_w4a8.moe.moe_apply`: rows arrive sorted by expert, and the
+    module could be wrapped in ``shard_map`` over an expert axis. Gate and up are fused, gate rows first
+    (transformers-5 ``gate_up_proj``). Variables by ``quant``:
+
+    * ``"none"``: ``gate_up_proj`` [E, 2I, D], ``down_proj`` [E, D, I] in ``dtype``.
+    * ``"fp8"``: ``gate_up_proj`` e4m3 [E, 2I, D] + ``gate_up_proj_scale_inv`` fp32 [E, 2*ceil(I/128),
+      ceil(D/128)] (gate blocks, then up blocks); ``down_proj`` e4m3 [E, D, I] + ``down_proj_scale_inv``
+      [E, ceil(D/128), ceil(I/128)]. Computed by dequantizing the weights to ``dtype`` and fake-quantizing
+      activations per token-group, then ``jax.lax.ragged_dot`` (slow stand-in for a grouped FP8 GEMM).
+    * ``"w4a8"``: ``gate_up_proj`` int8 [E, 2I, D/2] (packed int4) + ``gate_up_proj_scale_inv`` fp32
+      [E, 2I, D/128]; ``down_proj`` int8 [E, D, I/2] + ``down_proj_scale_inv`` [E, D, I/128]; with
+      ``input_scales``: ``gate_up_proj_input_scale`` fp32 [E, 2] (w1 = gate, w3 = up) and
+      ``down_proj_input_scale`` fp32 [E] (w2). Activations fp8 per token-group (``act_scale="dynamic"``)
+      or per tensor with the max ``input_scale`` of the layer (``"static"``); ``ops.w4a8_grouped_gemm``
+      for gate+up and for down; ``silu(gate) * up`` in fp32, rounded to ``dtype``, re-quantized for down.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, *, quant: str = "none", dtype=jnp.bfloat16,
+                 ue8m0: bool = False, act_scale: str = "dynamic", input_scales: bool = False, rngs: nnx.Rngs):
+        self.num_experts, self.hidden, self.inter = num_experts, hidden, inter
+        self.quant, self.dtype, self.ue8m0, self.act_scale = quant, jnp.dtype(dtype), bool(ue8m0), act_scale
+        e, d, i = num_experts, hidden, inter
+        gate_up = _normal(rngs, (e, 2 * i, d), d ** -0.5)
+        down = _normal(rngs, (e, d, i), i ** -0.5)
+        # optional variables: nnx.data so that a later assignment of a Param is allowed
+        self.gate_up_proj_scale_inv = self.down_proj_scale_inv = nnx.data(None)
+        self.gate_up_proj_input_scale = self.down_proj_input_scale = nnx.data(None)
+        if quant == "none":
+            self.gate_up_proj = nnx.Param(gate_up.astype(dtype))
+            self.down_proj = nnx.Param(down.astype(dtype))
+        elif quant == "fp8":
+            (gq, gs), (uq, us) = _init_fp8_blocks(gate_up[:, :i], BLOCK, ue8m0), \
+                _init_fp8_blocks(gate_up[:, i:], BLOCK, ue8m0)
+            dq, ds = _init_fp8_blocks(down, BLOCK, ue8m0)
+            self.gate_up_proj = nnx.Param(jnp.concatenate([gq, uq], axis=1))
+            self.gate_up_proj_scale_inv = nnx.Param(jnp.concatenate([gs, us], axis=1))
+            self.down_proj, self.down_proj_scale_inv = nnx.Param(dq), nnx.Param(ds)
+        elif quant == "w4a8":
+            _check_w4_dims(d, "hidden_size")
+            _check_w4_dims(i, "moe_intermediate_size")
+            gq, gs = _init_w4(gate_up, BLOCK)
+            dq, ds = _init_w4(down, BLOCK)
+            self.gate_up_proj, self.gate_up_proj_scale_inv = nnx.Param(gq), nnx.Param(gs)
+            self.down_proj, self.down_proj_scale_inv = nnx.Param(dq), nnx.Param(ds)
+            if input_scales:
+                self.gate_up_proj_input_scale = nnx.Param(jnp.full((e, 2), 4.0 / qlib.FP8_MAX, F32))
+                self.down_proj_input_scale = nnx.Param(jnp.full((e,), 4.0 / qlib.FP8_MAX, F32))
+        else:
+            raise ValueError(f"Experts: quant must be 'none', 'fp8' or 'w4a8', got {quant!r}")
+        if act_scale == "static" and (quant != "w4a8" or not input_scales):
+            raise ValueError("Experts: act_scale='static' needs W4A8 experts with input_scales")
+
+    # -- weights as [E, N, K] in dtype (the "none" and "fp8" paths)
+    def _dense_weights(self):
+        gu, dn = self.gate_up_proj[...], self.down_proj[...]
+        if self.quant == "none":
+            return gu, dn
+        nb = -(-self.inter // BLOCK)
+        s = self.gate_up_proj_scale_inv[...]
+        deq = functools.partial(qlib.dequantize_fp8_blocks, block=BLOCK, dtype=self.dtype)
+        gu = jnp.concatenate([deq(gu[:, :self.inter], s[:, :nb]), deq(gu[:, self.inter:], s[:, nb:])], axis=1)
+        return gu, deq(dn, self.down_proj_scale_inv[...])
+
+    def _w4a8_gemm(self, x, w, w_scale, input_scale, group_sizes):
+        if self.act_scale == "static":
+            s = jnp.max(input_scale).astype(F32)
+            x8, xs = qlib.quantize_fp8_tensor(x, s), s
+        else:
+            x8, xs = qlib.quantize_fp8_groups(x, BLOCK, self.ue8m0)
+        return ops.w4a8_grouped_gemm(x8, xs, w, w_scale, group_sizes, out_dtype=self.dtype)
+
+    def __call__(self, x_sorted, group_sizes):
+        x = x_sorted.astype(self.dtype)
+        if self.quant == "w4a8":
+            gu = self._w4a8_gemm(x, self.gate_up_proj[...], self.gate_up_proj_scale_inv[...],
+                                 None if self.gate_up_proj_input_scale is None else self.gate_up_proj_input_scale[...],
+                                 group_sizes)
+            h = silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype)
+            return self._w4a8_gemm(h, self.down_proj[...], self.down_proj_scale_inv[...],
+                                   None if self.down_proj_input_scale is None else self.down_proj_input_scale[...],
+                                   group_sizes)
+        w_gu, w_dn = self._dense_weights()
+        if self.quant == "fp8":
+            x = fake_quant_fp8_groups(x, self.ue8m0)
+        gu = _ragged_nk(x, w_gu, group_sizes, self.dtype)
+        h = silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype)
+        if self.quant == "fp8":
+            h = fake_quant_fp8_groups(h, self.ue8m0)
+        return _ragged_nk(h, w_dn, group_sizes, self.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU ``down(silu(gate x) * up x)`` (dense layers and shared experts); [..., D] -> [..., D]."""
+
+    def __init__(self, hidden: int, inter: int, *, quant: str = "none", dtype=jnp.bfloat16, ue8m0: bool = False,
+                 rngs: nnx.Rngs):
+        lin = functools.partial(Linear, quant=quant, dtype=dtype, ue8m0=ue8m0, rngs=rngs)
+        self.dtype = jnp.dtype(dtype)
+        self.gate_proj, self.up_proj, self.down_proj = lin(hidden, inter), lin(hidden, inter), lin(inter, hidden)
+
+    def __call__(self, x):
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), self.dtype))
+
+
+class MoE(nnx.Module):
+    """HF ``DeepseekV3MoE``: router (``gate``), routed ``experts``, ``shared_experts`` (one MLP of width
+    ``moe_intermediate_size * n_shared_experts``). ``__call__(x [B, T, D]) -> [B, T, D]`` in x.dtype; the
+    routed combine and the shared-expert add are one fp32 sum, rounded once."""
+
+    def __init__(self, cfg: DeepseekConfig, *, quant: QuantConfig = QuantConfig(), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs):
+        d, i = cfg.hidden_size, cfg.moe_intermediate_size
+        self.num_experts = cfg.n_routed_experts
+        self.gate = TopkRouter(cfg, dtype=dtype, rngs=rngs)
+        self.experts = Experts(cfg.n_routed_experts, d, i, quant=quant.experts, dtype=dtype, ue8m0=quant.ue8m0,
+                               act_scale=quant.act_scale, input_scales=quant.input_scales, rngs=rngs)
+        self.shared_experts = (MLP(d, i * cfg.n_shared_experts, quant=quant.linear, dtype=dtype, ue8m0=quant.ue8m0,
+                                   rngs=rngs) if cfg.n_shared_experts else None)
+
+    def __call__(self, x):
+        xf = x.reshape(-1, x.shape[-1])
+        ids, weights = self.gate(xf)
+        y = moe.moe_apply(xf, ids, weights, self.experts, self.num_experts, out_dtype=F32)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf).astype(F32)
+        return y.astype(x.dtype).reshape(x.shape)
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention (HF ``DeepseekV3Attention``), split for a latent cache:
+
+    * :meth:`queries` ``x -> (q_nope [B,T,H,dn], q_pe [B,T,H,dr] roped)``;
+    * :meth:`latents` ``x -> (c_kv [B,T,R] normed, k_pe [B,T,dr] roped)``: exactly what an MLA cache
+      stores per token (``R + dr`` values);
+    * :meth:`attend` ``(q_nope, q_pe, c_kv [B,S,R], k_pe [B,S,dr], mask [B,T,S]) -> [B,T,D]``: expands the
+      latents with ``kv_b_proj`` (transformers' non-absorbed form) and applies ``o_proj``.
+
+    ``__call__(x, cos, sin, mask)`` chains them over the same tokens. ``q_lora_rank=None`` gives a plain
+    ``q_proj``; ``q_a_layernorm``/``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps`` is.
+    """
+
+    def __init__(self, cfg: DeepseekConfig, *, quant: QuantConfig = QuantConfig(), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs):
+        self.cfg = cfg
+        d, h = cfg.hidden_size, cfg.num_attention_heads
+        dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        lin = functools.partial(Linear, quant=quant.linear, dtype=dtype, ue8m0=quant.ue8m0, rngs=rngs)
+        bias = cfg.attention_bias
+        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = nnx.data(None)
+        if cfg.q_lora_rank is None:
+            self.q_proj = lin(d, h * (dn + dr))
+        else:
+            self.q_a_proj = lin(d, cfg.q_lora_rank, use_bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6, dtype=dtype)
+            self.q_b_proj = lin(cfg.q_lora_rank, h * (dn + dr))
+        self.kv_a_proj_with_mqa = lin(d, r + dr, use_bias=bias)
+        self.kv_a_layernorm = RMSNorm(r, eps=1e-6, dtype=dtype)
+        self.kv_b_proj = lin(r, h * (dn + dv))
+        self.o_proj = lin(h * dv, d, use_bias=bias)
+
+    def queries(self, x, cos, sin):
+        """x [B, T, D]; cos, sin [B, T, dr/2] -> (q_nope [B, T, H, dn], q_pe [B, T, H, dr] roped)."""
+        c = self.cfg
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        return q_nope, apply_rope(q_pe, cos[..., None, :], sin[..., None, :], c.rope_interleave)
+
+    def latents(self, x, cos, sin):
+        """x [B, T, D]; cos, sin [B, T, dr/2] -> (c_kv [B, T, R] normed, k_pe [B, T, dr] roped)."""
+        c = self.cfg
+        ckv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(ckv[..., :c.kv_lora_rank])
+        return c_kv, apply_rope(ckv[..., c.kv_lora_rank:], cos, sin, c.rope_interleave)
+
+    def attend(self, q_nope, q_pe, c_kv, k_pe, mask):
+        """Attention of T queries over S latents; returns ``o_proj`` output [B, T, D]."""
+        c = self.cfg
+        b, s = c_kv.shape[:2]
+        kv = self.kv_b_proj(c_kv).reshape(b, s, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+        o = mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, c.softmax_scale)
+        return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+    def __call__(self, x, cos, sin, mask):
+        """x [B, T, D] (normed), cos/sin [B, T, dr/2], mask bool [B, T, T] -> [B, T, D]."""
+        q_nope, q_pe = self.queries(x, cos, sin)
+        c_kv, k_pe = self.latents(x, cos, sin)
+        return self.attend(q_nope, q_pe, c_kv, k_pe, mask)
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual block: ``h += self_attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))``.
+    ``mlp`` is :class:`MLP` for ``layer_idx < first_k_dense_replace``, else :class:`MoE`.
+    ``__call__(h [B, T, D], cos, sin, mask) -> [B, T, D]`` in h.dtype."""
+
+    def __init__(self, cfg: DeepseekConfig, layer_idx: int, *, quant: QuantConfig = QuantConfig(),
+                 dtype=jnp.bfloat16, rngs: nnx.Rngs):
+        d = cfg.hidden_size
+        self.input_layernorm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = MLA(cfg, quant=quant, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(d, eps=cfg.rms_norm_eps, dtype=dtype)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp = MoE(cfg, quant=quant, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(d, cfg.intermediate_size, quant=quant.linear, dtype=dtype, ue8m0=quant.ue8m0, rngs=rngs)
+
+    def __call__(self, h, cos, sin, mask):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))

@@ -1,0 +1,126 @@
+"""DeepSeek-V3/R1 causal LM (HF ``DeepseekV3ForCausalLM``) as an NNX module, plus jit helpers.
+
+Module tree = checkpoint keys: ``model.embed_tokens``, ``model.layers.{i}``, ``model.norm``, ``lm_head``.
+
+    model = DeepseekV3ForCausalLM(cfg, quant=QuantConfig(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    logits = model(input_ids)                       # [B, T] int32 -> [B, T, V] in dtype
+    fwd = jit_forward(model)                        # graphdef/state split once, state passed as an argument
+    logits = fwd(input_ids)
+
+Each decoder layer runs through :func:`decoder_layer`, a ``jax.jit`` of ``(graphdef, state, h, cos, sin,
+mask) -> h``. Inside an outer ``jit`` it is inlined, but it (1) lets JAX reuse one trace for all layers
+of the same structure, (2) makes the residual stream between layers visible in the jaxpr as the inputs
+and outputs of ``pjit[name=decoder_layer]`` equations (the dtype test walks them), and (3) is the
+seam where a later pipeline / expert-parallel wrapper can go.
+
+Positions and a latent cache: ``__call__(input_ids, positions=None)`` takes explicit positions, and
+attention is split into ``MLA.latents`` / ``MLA.attend`` (see ``layers.MLA``), so a generate loop can
+store ``(c_kv, k_pe)`` per layer ([B, T_max, kv_lora_rank + qk_rope_head_dim]) and attend over it
+without changing the layers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_w4a8.models.deepseek import layers
+from jax_w4a8.models.deepseek.config import DeepseekConfig, QuantConfig
+
+__all__ = ["DeepseekV3Model", "DeepseekV3ForCausalLM", "decoder_layer", "forward", "jit_forward",
+           "causal_mask", "default_positions"]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def decoder_layer(graphdef, state, h, cos, sin, mask):
+    """One decoder layer as a pure function: ``h [B, T, D] -> [B, T, D]`` (same dtype)."""
+    return nnx.merge(graphdef, state)(h, cos, sin, mask)
+
+
+def default_positions(input_ids):
+    """``arange(T)`` for every row: int32 [B, T]."""
+    b, t = input_ids.shape
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+def causal_mask(q_positions, k_positions):
+    """bool [B, T, S]: query t may attend key s iff ``k_positions[s] <= q_positions[t]``."""
+    return k_positions[:, None, :] <= q_positions[:, :, None]
+
+
+class DeepseekV3Model(nnx.Module):
+    """Embedding, decoder layers, final norm. ``__call__(input_ids [B, T], positions=None)`` returns
+    ``(h [B, T, D] after the final norm, hidden_states)`` where ``hidden_states`` is ``None`` or, with
+    ``return_hidden_states``, ``[embeds, out_0, ..., out_{L-1}]`` (residual stream before the final norm,
+    like the golden fixtures' ``layer_out``)."""
+
+    def __init__(self, cfg: DeepseekConfig, *, quant: QuantConfig = QuantConfig(), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, jnp.dtype(dtype)
+        self.embed_tokens = layers.Embed(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs)
+        self.layers = nnx.List([layers.DecoderLayer(cfg, i, quant=quant, dtype=dtype, rngs=rngs)
+                                for i in range(cfg.num_hidden_layers)])
+        self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
+
+    def __call__(self, input_ids, positions=None, *, return_hidden_states: bool = False):
+        if positions is None:
+            positions = default_positions(input_ids)
+        positions = positions.astype(jnp.int32)
+        h = self.embed_tokens(input_ids)
+        cos, sin = layers.rope_cos_sin(positions, self.cfg, self.dtype)
+        mask = causal_mask(positions, positions)
+        hidden = [h] if return_hidden_states else None
+        for layer in self.layers:
+            graphdef, state = nnx.split(layer)
+            h = decoder_layer(graphdef, state, h, cos, sin, mask)
+            if hidden is not None:
+                hidden.append(h)
+        return self.norm(h), hidden
+
+
+class DeepseekV3ForCausalLM(nnx.Module):
+    """``model`` (:class:`DeepseekV3Model`) + untied ``lm_head`` (never quantized; tied to the embedding
+    only when ``cfg.tie_word_embeddings``).
+
+    Args:
+      cfg: architecture. quant: weight formats (:class:`QuantConfig`). dtype: activation and unquantized
+        weight dtype (bfloat16, or float32 for golden comparisons). rngs: random init.
+    Call:
+      ``model(input_ids int [B, T], positions int [B, T] | None = None) -> logits dtype [B, T, V]``;
+      with ``return_hidden_states=True``: ``(logits, [embeds, out_0, ..., out_{L-1}])``.
+    """
+
+    def __init__(self, cfg: DeepseekConfig, *, quant: QuantConfig = QuantConfig(), dtype=jnp.bfloat16,
+                 rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+            raise ValueError(f"DeepseekV3ForCausalLM: dtype must be bfloat16 or float32, got {jnp.dtype(dtype)}")
+        self.cfg, self.quant, self.dtype = cfg, quant, jnp.dtype(dtype)
+        self.model = DeepseekV3Model(cfg, quant=quant, dtype=dtype, rngs=rngs)
+        self.lm_head = (None if cfg.tie_word_embeddings else
+                        layers.Linear(cfg.hidden_size, cfg.vocab_size, quant="none", dtype=dtype, rngs=rngs))
+
+    def __call__(self, input_ids, positions=None, *, return_hidden_states: bool = False):
+        h, hidden = self.model(input_ids, positions, return_hidden_states=return_hidden_states)
+        logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
+        return (logits, hidden) if return_hidden_states else logits
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def forward(graphdef, state, input_ids, positions=None, return_hidden_states: bool = False):
+    """Pure, jitted forward of a split model: ``nnx.merge(graphdef, state)(input_ids, positions)``."""
+    return nnx.merge(graphdef, state)(input_ids, positions, return_hidden_states=return_hidden_states)
+
+
+def jit_forward(model: DeepseekV3ForCausalLM):
+    """Splits ``model`` once and returns ``fn(input_ids, positions=None, return_hidden_states=False)``
+    running :func:`forward` (weights are jit arguments, not constants)."""
+    graphdef, state = nnx.split(model)
+
+    def fn(input_ids, positions=None, return_hidden_states: bool = False):
+        return forward(graphdef, state, input_ids, positions, return_hidden_states)
+
+    return fn
