@@ -3,6 +3,10 @@
 import os
 import sys
 
+# Eight virtual CPU devices for the expert-parallel tests (set before JAX initialises its backends).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
 import jax
 import numpy as np
 import pytest

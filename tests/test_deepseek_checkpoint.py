@@ -336,10 +336,10 @@ def test_every_tensor_goes_through_place(fp32_ckpt, monkeypatch):
     seen = []
     real = checkpoint.place
 
-    def spy(array, name):
+    def spy(array, name, mesh=None):
         seen.append(name)
         assert isinstance(array, np.ndarray)
-        return real(array, name)
+        return real(array, name, mesh)
 
     monkeypatch.setattr(checkpoint, "place", spy)
     model = load_checkpoint(path, quantize="w4a8", progress=False)

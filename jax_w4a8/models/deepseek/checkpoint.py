@@ -45,7 +45,8 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_w4a8 import quant as qlib
-from jax_w4a8.models.deepseek import layers
+from jax_w4a8.expert_parallel import ExpertParallel
+from jax_w4a8.models.deepseek import layers, parallel
 from jax_w4a8.models.deepseek.config import DeepseekConfig, QuantConfig
 from jax_w4a8.models.deepseek.model import DeepseekV3ForCausalLM
 
@@ -136,11 +137,13 @@ def _open_checkpoint(path: str) -> list[SafetensorsFile]:
 # ----------------------------------------------------------------------------------------------
 # placement and conversions
 # ----------------------------------------------------------------------------------------------
-def place(array: np.ndarray, name: str) -> jax.Array:
-    """Turns one host array into a jax array (today: the default device). ``name`` is the checkpoint key
-    of the variable; a mesh-aware loader derives each tensor's sharding from it here."""
-    del name
-    return jax.device_put(array)
+def place(array: np.ndarray, name: str, mesh=None) -> jax.Array:
+    """Turns one host array into a jax array: on the default device, or with ``mesh`` straight onto the
+    devices that own it (routed experts split over ``"expert"``, the rest replicated; see
+    :func:`jax_w4a8.models.deepseek.parallel.placement`). ``name`` is the model variable's path."""
+    if mesh is None:
+        return jax.device_put(array)
+    return jax.device_put(array, parallel.placement(mesh, name, np.ndim(array)))
 
 
 _jit_quantize_w4 = jax.jit(qlib.quantize_w4, static_argnums=1)
@@ -450,7 +453,8 @@ def resolve_quant_config(cfg: DeepseekConfig, infos: dict[str, TensorInfo], quan
 
 
 def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, act_scale: str = "dynamic",
-                    ue8m0: bool | None = None, progress: bool = True) -> DeepseekV3ForCausalLM:
+                    ue8m0: bool | None = None, progress: bool = True, mesh=None,
+                    dispatch: str = "auto") -> DeepseekV3ForCausalLM:
     """Loads a HF DeepSeek-V3/R1 directory (``config.json`` + ``model.safetensors`` or a sharded index).
 
     Args:
@@ -466,6 +470,10 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
         checkpoint's ``input_scale``, max over each layer's experts; W4AFP8 checkpoints only).
       ue8m0: FP8 scales as powers of two; default: ``quantization_config.scale_fmt == "ue8m0"``.
       progress: show a tqdm progress bar.
+      mesh: optional mesh with an ``"expert"`` axis (:func:`jax_w4a8.sharding.make_mesh`): each tensor
+        goes straight to the devices that own it (never the whole model on one device) and the MoE
+        layers run expert-parallel with ``dispatch`` (:class:`jax_w4a8.expert_parallel.ExpertParallel`).
+        ``n_routed_experts`` must divide over the axis (checked before any data is read).
     Returns:
       :class:`DeepseekV3ForCausalLM` (``model.quant`` says the formats it holds).
     Raises:
@@ -475,6 +483,8 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
     with open(os.path.join(path, "config.json")) as f:
         raw_cfg = json.load(f)
     cfg = DeepseekConfig.from_dict(raw_cfg)
+    if mesh is not None:
+        parallel.check_divisible(cfg.n_routed_experts, mesh)
     files = _open_checkpoint(path)
     infos: dict[str, TensorInfo] = {}
     for sf in files:
@@ -518,7 +528,7 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
                 done = by_name[name].feed(name, sf.read_tensor(name))
                 if done:
                     for vpath, arr in done.items():
-                        values[vpath] = place(arr, ".".join(map(str, vpath)))
+                        values[vpath] = place(arr, ".".join(map(str, vpath)), mesh)
 
     graphdef, abstract_state = nnx.split(abstract)
     flat = []
@@ -530,7 +540,10 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
             raise CheckpointError(f"{'.'.join(map(str, vpath))}: loaded {arr.dtype}{list(arr.shape)}, model "
                                   f"wants {var.dtype}{list(var.shape)}")
         flat.append((vpath, var.replace(arr)))
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    if mesh is not None:
+        parallel.set_expert_parallel(model, ExpertParallel(mesh, dispatch))
+    return model
 
 
 # ----------------------------------------------------------------------------------------------

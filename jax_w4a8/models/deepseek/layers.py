@@ -35,12 +35,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_w4a8 import moe, ops
+from jax_w4a8 import expert_parallel, moe, ops
 from jax_w4a8 import quant as qlib
 from jax_w4a8.models.deepseek.config import DeepseekConfig, QuantConfig
 
 __all__ = [
-    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "route", "mla_attention", "silu_mul",
+    "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "route", "mla_attention", "mla_latent_attention",
+    "silu_mul",
     "fake_quant_fp8_groups",
     "RMSNorm", "Embed", "Linear", "TopkRouter", "Experts", "MLP", "MoE", "MLA", "DecoderLayer",
 ]
@@ -196,6 +197,33 @@ def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float):
     s = jnp.where(mask[:, None], s * scale, jnp.finfo(F32).min)
     p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
     return jnp.einsum("bhts,bshd->bthd", p, v, preferred_element_type=F32, precision=prec).astype(v.dtype)
+
+
+def mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, scale: float):
+    """Attention in MLA's latent space (the absorbed form used for decoding over a latent cache).
+
+    ``score = (q_lat . c_kv + q_pe . k_pe) * scale`` in fp32, where ``q_lat = q_nope W_k`` is the no-RoPE
+    query already absorbed into the latent space through the k part of ``kv_b_proj``; masked; softmax
+    in fp32 rounded to ``q_lat.dtype``; the output ``sum_s p * c_kv`` stays latent (the caller applies
+    the v part of ``kv_b_proj``). Equal to :func:`mla_attention` up to rounding.
+
+    Args:
+      q_lat: [B, T, H, R]; q_pe: [B, T, H, dr] (roped); c_kv: [B, S, R] (normed latents); k_pe: [B, S, dr]
+        (roped); mask: bool [B, T, S], True where query t may attend key s. ``c_kv``/``k_pe`` are cast to
+        ``q_lat.dtype`` (a bf16 cache read by an fp32 model).
+    Returns:
+      q_lat.dtype [B, T, H, R].
+    """
+    dtype = q_lat.dtype
+    prec = _precision(dtype)
+    c_kv, k_pe = c_kv.astype(dtype), k_pe.astype(dtype)
+    s = jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, preferred_element_type=F32, precision=prec)
+    s = s + jnp.einsum("bthr,bsr->bhts", q_pe.astype(dtype), k_pe, preferred_element_type=F32, precision=prec)
+    s = jnp.where(mask[:, None], s * scale, jnp.finfo(F32).min)
+    p = jax.nn.softmax(s, axis=-1).astype(dtype)
+    # "bhts,bsr->bhtr" then a transpose: XLA:CPU has no bf16 x bf16 -> f32 dot for the "->bthr" layout
+    o = jnp.einsum("bhts,bsr->bhtr", p, c_kv, preferred_element_type=F32, precision=prec).astype(dtype)
+    return jnp.swapaxes(o, 1, 2)
 
 
 def silu_mul(gate, up, dtype):
@@ -450,10 +478,20 @@ class MoE(nnx.Module):
         self.shared_experts = (MLP(d, i * cfg.n_shared_experts, quant=quant.linear, dtype=dtype, ue8m0=quant.ue8m0,
                                    rngs=rngs) if cfg.n_shared_experts else None)
 
+    # Set by jax_w4a8.models.deepseek.parallel.shard_model (a static, hashable ExpertParallel): the routed
+    # experts then run inside a shard_map over the mesh's "expert" axis.
+    expert_parallel = None
+
     def __call__(self, x):
         xf = x.reshape(-1, x.shape[-1])
         ids, weights = self.gate(xf)
-        y = moe.moe_apply(xf, ids, weights, self.experts, self.num_experts, out_dtype=F32)
+        if self.expert_parallel is None:
+            y = moe.moe_apply(xf, ids, weights, self.experts, self.num_experts, out_dtype=F32)
+        else:
+            graphdef, state = nnx.split(self.experts)
+            y = expert_parallel.moe_apply_ep(
+                xf, ids, weights, state, lambda st, xs, gs: nnx.merge(graphdef, st)(xs, gs), self.num_experts,
+                self.expert_parallel, out_dtype=F32)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf).astype(F32)
         return y.astype(x.dtype).reshape(x.shape)
@@ -466,7 +504,9 @@ class MLA(nnx.Module):
     * :meth:`latents` ``x -> (c_kv [B,T,R] normed, k_pe [B,T,dr] roped)``: exactly what an MLA cache
       stores per token (``R + dr`` values);
     * :meth:`attend` ``(q_nope, q_pe, c_kv [B,S,R], k_pe [B,S,dr], mask [B,T,S]) -> [B,T,D]``: expands the
-      latents with ``kv_b_proj`` (transformers' non-absorbed form) and applies ``o_proj``.
+      latents with ``kv_b_proj`` (transformers' non-absorbed form) and applies ``o_proj``;
+    * :meth:`attend_absorbed` (same arguments, plus :meth:`absorbed_weights`): the absorbed form, attention
+      in the latent space without expanding the cache (what decoding uses).
 
     ``__call__(x, cos, sin, mask)`` chains them over the same tokens. ``q_lora_rank=None`` gives a plain
     ``q_proj``; ``q_a_layernorm``/``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps`` is.
@@ -514,6 +554,70 @@ class MLA(nnx.Module):
         k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
         o = mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, c.softmax_scale)
         return self.o_proj(o.reshape(*o.shape[:2], -1))
+
+    # -- absorbed form (decoding over a latent cache) -----------------------------------------
+    def absorbed_weights(self) -> dict:
+        """``kv_b_proj`` split per head for :meth:`attend_absorbed` (compute once per generate call).
+
+        ``kv_b_proj.weight`` [H*(dn+dv), R] holds, per head, dn rows of ``W_k`` then dv rows of ``W_v``.
+        Returns a dict of arrays:
+
+        * FP8 weights whose per-head parts are whole 128x128 blocks (``dn``, ``dv``, ``R`` multiples of
+          128, as in DeepSeek-V3): ``w_kT`` e4m3 [H, R, dn] (``W_k`` transposed per head) + ``w_kT_scale``
+          fp32 [H, R/128, dn/128] and ``w_v`` e4m3 [H, dv, R] + ``w_v_scale`` fp32 [H, dv/128, R/128], for
+          ``ops.fp8_einsum`` (``"bhd,hrd->bhr"`` and ``"bhr,hdr->bhd"``);
+        * otherwise ``w_kT`` [H, R, dn] and ``w_v`` [H, dv, R] in ``dtype`` (FP8 weights of a tiny test
+          model whose dims are not multiples of 128 are dequantized: ``fp8_einsum`` needs its contracted
+          axis to be a multiple of 128, so those products fall back to a plain einsum).
+        """
+        c, lin = self.cfg, self.kv_b_proj
+        h, dn, dv, r = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
+        w = lin.weight[...]
+        if lin.quant == "fp8" and not (dn % BLOCK or dv % BLOCK or r % BLOCK):
+            w = w.reshape(h, dn + dv, r)
+            s = lin.weight_scale_inv[...].reshape(h, (dn + dv) // BLOCK, r // BLOCK)
+            return {"w_kT": jnp.swapaxes(w[:, :dn], 1, 2), "w_kT_scale": jnp.swapaxes(s[:, :dn // BLOCK], 1, 2),
+                    "w_v": w[:, dn:], "w_v_scale": s[:, dn // BLOCK:]}
+        if lin.quant == "fp8":
+            w = qlib.dequantize_fp8_blocks(w, lin.weight_scale_inv[...], BLOCK, lin.dtype)
+        w = w.reshape(h, dn + dv, r)
+        return {"w_kT": jnp.swapaxes(w[:, :dn], 1, 2), "w_v": w[:, dn:]}
+
+    def attend_absorbed(self, q_nope, q_pe, c_kv, k_pe, mask, absorbed: dict | None = None):
+        """Same result as :meth:`attend` (up to rounding) without expanding the latents (decode path).
+
+        ``q_lat = q_nope W_k`` ("bhd,hdr->bhr" per head), attention over the latents
+        (:func:`mla_latent_attention`), then ``o = o_lat W_v^T`` ("bhr,hdr->bhd") and ``o_proj``. With FP8
+        ``kv_b_proj`` blocks both per-head products run through ``ops.fp8_einsum`` on activations quantized
+        per (token, head, 128 channels).
+
+        Args:
+          q_nope [B, T, H, dn], q_pe [B, T, H, dr]; c_kv [B, S, R], k_pe [B, S, dr] (a cache, any float
+          dtype); mask bool [B, T, S]; absorbed: :meth:`absorbed_weights` (computed here when None).
+        Returns:
+          [B, T, D] in the activation dtype.
+        """
+        c = self.cfg
+        a = self.absorbed_weights() if absorbed is None else absorbed
+        dtype = q_nope.dtype
+        b, t, h, dn = q_nope.shape
+        ue8m0 = self.kv_b_proj.ue8m0
+        fp8 = "w_kT_scale" in a
+        if fp8:
+            q8, qs = qlib.quantize_fp8_groups(q_nope.reshape(b * t, h, dn), BLOCK, ue8m0)
+            q_lat = ops.fp8_einsum("bhd,hrd->bhr", q8, qs, a["w_kT"], a["w_kT_scale"], out_dtype=dtype, ue8m0=ue8m0)
+            q_lat = q_lat.reshape(b, t, h, -1)
+        else:
+            q_lat = jnp.einsum("bthd,hrd->bthr", q_nope, a["w_kT"].astype(dtype), precision=_precision(dtype),
+                               preferred_element_type=F32).astype(dtype)
+        o_lat = mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, c.softmax_scale)
+        if fp8:
+            o8, os_ = qlib.quantize_fp8_groups(o_lat.reshape(b * t, h, -1), BLOCK, ue8m0)
+            o = ops.fp8_einsum("bhr,hdr->bhd", o8, os_, a["w_v"], a["w_v_scale"], out_dtype=dtype, ue8m0=ue8m0)
+        else:
+            o = jnp.einsum("bthr,hdr->bthd", o_lat, a["w_v"].astype(dtype), precision=_precision(dtype),
+                           preferred_element_type=F32).astype(dtype)
+        return self.o_proj(o.reshape(b, t, h * c.v_head_dim))
 
     def __call__(self, x, cos, sin, mask):
         """x [B, T, D] (normed), cos/sin [B, T, dr/2], mask bool [B, T, T] -> [B, T, D]."""

@@ -1,0 +1,101 @@
+"""One DeepSeek-R1 MoE layer (routed experts only) on one GPU vs expert-parallel over the visible GPUs.
+
+    python benchmarks/bench_expert_parallel.py [--experts 256] [--out DIR]
+
+Hidden 7168, experts of 2048 (W4A8, per-token-group fp8 activations), top-8 over random routing.
+Decode (64 tokens, "gather" dispatch: psum of partial outputs) and prefill (4096 tokens, "all_to_all":
+ragged all-to-all both ways). For each: time of the layer on one GPU, on the n-GPU mesh, and of the
+same n-GPU layer with identity experts (the dispatch, collectives and combine alone); compute on the
+mesh is the difference. Weights are made on the devices, sharded from the start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--inter", type=int, default=2048)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--out")
+    p.add_argument("--tiny", action="store_true", help="small shapes on CPU devices (smoke test)")
+    args = p.parse_args()
+
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jax_w4a8 import moe, ops, sharding
+    from jax_w4a8.expert_parallel import ExpertParallel, moe_apply_ep
+
+    e, d, i, k = args.experts, args.hidden, args.inter, args.top_k
+    if args.tiny:  # a CPU smoke test of the script (8 virtual devices)
+        e, d, i, k = 8, 256, 128, 2
+    gpus = jax.devices("cpu") if args.tiny else jax.devices("gpu")
+    n = len(gpus)
+    mesh = sharding.make_mesh(n, gpus)
+    single = sharding.make_mesh(1, gpus)
+
+    def weights(mesh_):
+        def make(key):
+            ks = jax.random.split(key, 4)
+            return {
+                "w13": jax.random.randint(ks[0], (e, 2 * i, d // 2), -128, 128, jnp.int32).astype(jnp.int8),
+                "s13": jax.random.uniform(ks[1], (e, 2 * i, d // 128), jnp.float32, 1e-3, 2e-3),
+                "w2": jax.random.randint(ks[2], (e, d, i // 2), -128, 128, jnp.int32).astype(jnp.int8),
+                "s2": jax.random.uniform(ks[3], (e, d, i // 128), jnp.float32, 1e-3, 2e-3),
+            }
+        shard = NamedSharding(mesh_, P(sharding.EXPERT_AXIS))
+        return jax.jit(make, out_shardings={nm: shard for nm in ("w13", "s13", "w2", "s2")})(jax.random.key(0))
+
+    def experts_fn(prm, x, gs):
+        x8, xs = ops.quantize_fp8_groups(x)
+        y = ops.w4a8_grouped_gemm(x8, xs, prm["w13"], prm["s13"], gs)
+        h = (jax.nn.silu(y[:, :i].astype(jnp.float32)) * y[:, i:].astype(jnp.float32)).astype(jnp.bfloat16)
+        h8, hs = ops.quantize_fp8_groups(h)
+        return ops.w4a8_grouped_gemm(h8, hs, prm["w2"], prm["s2"], gs)
+
+    rows = []
+    w_mesh = weights(mesh)
+    w_one = weights(single)
+    cases = (("decode", 64, "gather"), ("prefill", 4096, "all_to_all"))
+    if args.tiny:
+        cases = (("decode", 8, "gather"), ("prefill", 64, "all_to_all"))
+    for name, tokens, dispatch in cases:
+        key = jax.random.key(tokens)
+        rep = NamedSharding(mesh, P())
+        x = jax.device_put(jax.random.normal(key, (tokens, d), jnp.bfloat16), rep)
+        ids = jax.device_put(jax.random.randint(jax.random.fold_in(key, 1), (tokens, k), 0, e, jnp.int32), rep)
+        tw = jax.device_put(jax.random.uniform(jax.random.fold_in(key, 2), (tokens, k), jnp.float32), rep)
+        ep = ExpertParallel(mesh, dispatch)
+        f_mesh = jax.jit(lambda a, b, c, w: moe_apply_ep(a, b, c, w, experts_fn, e, ep))
+        f_comm = jax.jit(lambda a, b, c, w: moe_apply_ep(a, b, c, w, lambda prm, xs, gs: xs, e, ep))
+        one = NamedSharding(single, P())
+        x1, ids1, tw1 = (jax.device_put(v, one) for v in (x, ids, tw))
+        f_one = jax.jit(lambda a, b, c, w: moe.moe_apply(a, b, c, lambda xs, gs: experts_fn(w, xs, gs), e))
+        t_one = C.bench(f_one, [(x1, ids1, tw1, w_one)], n=5, rounds=5)
+        t_mesh = C.bench(f_mesh, [(x, ids, tw, w_mesh)], n=5, rounds=5)
+        t_comm = C.bench(f_comm, [(x, ids, tw, w_mesh)], n=5, rounds=5)
+        err = float(jnp.abs(f_mesh(x, ids, tw, w_mesh).astype(jnp.float32) -
+                            jax.device_put(f_one(x1, ids1, tw1, w_one), rep).astype(jnp.float32)).max())
+        r = dict(case=name, tokens=tokens, dispatch=dispatch, gpus=n, one_gpu_us=t_one * 1e6, mesh_us=t_mesh * 1e6,
+                 dispatch_collectives_us=t_comm * 1e6, compute_us=(t_mesh - t_comm) * 1e6, speedup=t_one / t_mesh,
+                 max_abs_diff=err)
+        rows.append(r)
+        print({kk: (round(v, 1) if isinstance(v, float) else v) for kk, v in r.items()}, flush=True)
+    out = C.out_dir(args.out)
+    C.save_json(out / "expert_parallel.json", dict(rows=rows, experts=e, hidden=d, inter=i, top_k=k))
+    print(C.fmt_table([{kk: (f"{v:.1f}" if isinstance(v, float) else v) for kk, v in r.items()} for r in rows],
+                      list(rows[0])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Expert parallelism: the routed-expert part of a MoE layer inside ``jax.shard_map`` over ``"expert"``.
+
+Each of the ``n`` devices of the expert axis holds ``E / n`` experts (their weights sharded on axis 0)
+and runs its rows through ``experts_fn`` (the FFI grouped GEMM) on its local experts only. Two ways to
+bring the token slots to their experts, chosen by the number of tokens (static, so no recompilation
+with routing):
+
+* ``"gather"`` (decode, few tokens): every device already holds all tokens (activations are replicated),
+  keeps the slots routed to its own experts, computes them, and a ``psum`` adds the partial outputs.
+  The grouped GEMM sees ``N * K`` rows of which about ``1/n`` are real; the rest are padding rows that
+  the kernel zero-fills without reading weights.
+* ``"all_to_all"`` (prefill, many tokens): each device takes ``1/n`` of the tokens, sends each slot to
+  the device owning its expert with ``jax.lax.ragged_all_to_all`` (only real rows travel), computes,
+  sends the results back the same way, combines its tokens, and an ``all_gather`` restores the
+  replicated activations. XLA:CPU has no ragged all-to-all: there the same exchange runs as a dense
+  ``all_to_all`` of fixed-capacity buffers (same layout, same results, more bytes moved).
+
+No token is ever dropped: receive buffers are sized for the worst case (every slot to one device).
+Results equal the single-device layer up to float32 summation order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_w4a8.sharding import EXPERT_AXIS
+
+__all__ = ["ExpertParallel", "moe_apply_ep", "DISPATCHES"]
+
+DISPATCHES = ("auto", "gather", "all_to_all")
+F32 = jnp.float32
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How a MoE layer spreads its experts over ``mesh``'s ``"expert"`` axis.
+
+    Attributes:
+      mesh: a mesh with an ``"expert"`` axis (``jax_w4a8.sharding.make_mesh``).
+      dispatch: ``"auto"`` (``"gather"`` up to ``gather_max_tokens`` tokens, else ``"all_to_all"``),
+        ``"gather"`` or ``"all_to_all"``.
+      gather_max_tokens: the ``"auto"`` threshold, in tokens of one forward call.
+    """
+
+    mesh: Mesh
+    dispatch: str = "auto"
+    gather_max_tokens: int = 256
+
+    def __post_init__(self):
+        if self.dispatch not in DISPATCHES:
+            raise ValueError(f"ExpertParallel: argument 'dispatch' must be one of {DISPATCHES}, got {self.dispatch!r}")
+        if EXPERT_AXIS not in self.mesh.shape:
+            raise ValueError(f"ExpertParallel: the mesh has no {EXPERT_AXIS!r} axis (axes {tuple(self.mesh.shape)})")
+
+    @property
+    def size(self) -> int:
+        return int(self.mesh.shape[EXPERT_AXIS])
+
+    def strategy(self, num_tokens: int) -> str:
+        if self.dispatch != "auto":
+            return self.dispatch
+        return "gather" if num_tokens <= self.gather_max_tokens else "all_to_all"
+
+
+def _sort_local(expert_local, valid, e_local: int):
+    """Rows sorted by local expert (invalid rows last): (order, inverse, group_sizes [e_local])."""
+    key = jnp.where(valid, expert_local, e_local).astype(jnp.int32)
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=jnp.int32))
+    sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
+    return order, inverse, sizes
+
+
+def _gather_body(x, ids, weights, params, *, experts_fn, num_experts, n):
+    d = jax.lax.axis_index(EXPERT_AXIS)
+    e_local = num_experts // n
+    tokens, k = ids.shape
+    flat = ids.reshape(-1).astype(jnp.int32)
+    local = (flat // e_local) == d
+    order, inverse, sizes = _sort_local(flat % e_local, local, e_local)
+    y = experts_fn(params, jnp.take(x, order // k, axis=0), sizes)
+    y = jnp.take(y, inverse, axis=0).astype(F32)
+    y = jnp.where(local[:, None], y, 0.0).reshape(tokens, k, -1)  # non-local rows are ignored, never multiplied
+    out = jnp.einsum("nkd,nk->nd", y, weights.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    return jax.lax.psum(out, EXPERT_AXIS)
+
+
+def _exchange(rows, send_offsets, send_sizes, out_offsets, recv_sizes, out_rows, cap, n):
+    """Chunk j of ``rows`` (rows send_offsets[j] .. + send_sizes[j]) goes to device j, landing at
+    out_offsets[j] of its output [out_rows, ...]; recv_sizes[i] rows come from device i.
+
+    Ragged all-to-all on GPUs; on other platforms a dense all-to-all of [n, cap] buffers, which needs
+    the fixed layout ``out_offsets[j] == my_index * cap`` (forward) or the scatter below (return).
+    """
+    def ragged(rows, send_offsets, send_sizes, out_offsets, recv_sizes):
+        out = jnp.zeros((out_rows,) + rows.shape[1:], rows.dtype)
+        return jax.lax.ragged_all_to_all(rows, out, send_offsets, send_sizes, out_offsets, recv_sizes,
+                                         axis_name=EXPERT_AXIS)
+
+    def dense(rows, send_offsets, send_sizes, out_offsets, recv_sizes):
+        idx = send_offsets[:, None] + jnp.arange(cap, dtype=jnp.int32)[None]           # [n, cap]
+        ok = jnp.arange(cap, dtype=jnp.int32)[None] < send_sizes[:, None]
+        chunks = jnp.take(rows, jnp.clip(idx, 0, rows.shape[0] - 1), axis=0)
+        chunks = jnp.where(ok.reshape(ok.shape + (1,) * (rows.ndim - 1)), chunks, 0)
+        got = jax.lax.all_to_all(chunks, EXPERT_AXIS, 0, 0, tiled=False)             # [n, cap, ...]
+        # My chunk from device i must land at out_offsets_i (what device i chose for me): ask for them.
+        where = jax.lax.all_to_all(out_offsets.reshape(n, 1), EXPERT_AXIS, 0, 0, tiled=False).reshape(n)
+        dst = where[:, None] + jnp.arange(cap, dtype=jnp.int32)[None]
+        valid = jnp.arange(cap, dtype=jnp.int32)[None] < recv_sizes[:, None]
+        dst = jnp.where(valid, dst, out_rows)  # out of range: dropped by the scatter
+        out = jnp.zeros((out_rows,) + rows.shape[1:], rows.dtype)
+        return out.at[dst.reshape(-1)].set(got.reshape((n * cap,) + rows.shape[1:]), mode="drop")
+
+    return jax.lax.platform_dependent(rows, send_offsets, send_sizes, out_offsets, recv_sizes,
+                                      cuda=ragged, default=dense)
+
+
+def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n):
+    d = jax.lax.axis_index(EXPERT_AXIS)
+    e_local = num_experts // n
+    tokens, k = ids.shape
+    t_local = -(-tokens // n)
+    pad = t_local * n - tokens
+    if pad:
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        ids = jnp.pad(ids, ((0, pad), (0, 0)))
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    start = d * t_local
+    my_x = jax.lax.dynamic_slice_in_dim(x, start, t_local)
+    my_ids = jax.lax.dynamic_slice_in_dim(ids, start, t_local).reshape(-1).astype(jnp.int32)
+    my_w = jax.lax.dynamic_slice_in_dim(weights, start, t_local)
+    tok_valid = (start + jnp.arange(t_local)) < tokens
+    slot_valid = jnp.repeat(tok_valid, k)
+    slots = t_local * k
+
+    # Sort my slots by destination device (then local expert); exchange sizes and offsets.
+    dest = my_ids // e_local
+    order, inverse, _ = _sort_local(my_ids, slot_valid, num_experts)
+    send_sizes = jnp.bincount(jnp.where(slot_valid, dest, n), length=n + 1)[:n].astype(jnp.int32)
+    send_offsets = (jnp.cumsum(send_sizes) - send_sizes).astype(jnp.int32)
+    recv_sizes = jax.lax.all_to_all(send_sizes.reshape(n, 1), EXPERT_AXIS, 0, 0, tiled=False).reshape(n)
+    src_offsets = jax.lax.all_to_all(send_offsets.reshape(n, 1), EXPERT_AXIS, 0, 0, tiled=False).reshape(n)
+    cap = slots
+    arange_n = jnp.arange(n, dtype=jnp.int32)
+
+    send_x = jnp.take(my_x, order // k, axis=0)
+    send_e = jnp.take(my_ids, order) % e_local
+    fwd = dict(send_offsets=send_offsets, send_sizes=send_sizes, out_offsets=jnp.full((n,), d * cap, jnp.int32),
+               recv_sizes=recv_sizes, out_rows=n * cap, cap=cap, n=n)
+    recv_x = _exchange(send_x, **fwd)
+    recv_e = _exchange(send_e, **fwd)
+
+    # Compute on my experts.
+    recv_valid = (jnp.arange(n * cap) % cap) < jnp.repeat(recv_sizes, cap)
+    order2, inverse2, sizes = _sort_local(recv_e, recv_valid, e_local)
+    y = experts_fn(params, jnp.take(recv_x, order2, axis=0), sizes)
+    y = jnp.where(recv_valid[:, None], jnp.take(y, inverse2, axis=0), 0)
+
+    # Send results back to where each slot came from, un-sort, combine my tokens.
+    back = _exchange(y, send_offsets=arange_n * cap, send_sizes=recv_sizes, out_offsets=src_offsets,
+                     recv_sizes=send_sizes, out_rows=slots, cap=cap, n=n)
+    y_slots = jnp.take(back, inverse, axis=0).astype(F32)
+    y_slots = jnp.where(slot_valid[:, None], y_slots, 0.0).reshape(t_local, k, -1)
+    out = jnp.einsum("nkd,nk->nd", y_slots, my_w.astype(F32), precision=jax.lax.Precision.HIGHEST)
+    return jax.lax.all_gather(out, EXPERT_AXIS, axis=0, tiled=True)[:tokens]
+
+
+def moe_apply_ep(x, topk_ids, topk_weights, expert_params: Any, experts_fn: Callable, num_experts: int,
+                 ep: ExpertParallel, out_dtype=F32):
+    """Expert-parallel :func:`jax_w4a8.moe.moe_apply`.
+
+    Args:
+      x: [N, D] expert inputs, replicated over the mesh.
+      topk_ids: int [N, K]; topk_weights: float32 [N, K] (replicated).
+      expert_params: a pytree whose every leaf has the expert axis first ([E, ...]), sharded over
+        ``"expert"`` (or placeable so).
+      experts_fn: ``(local_params, x_sorted [R, D], group_sizes int32 [E/n]) -> [R, D]``; rows past
+        ``sum(group_sizes)`` are padding (their outputs are ignored).
+      num_experts: E, a multiple of the expert-axis size.
+      ep: :class:`ExpertParallel`.
+    Returns:
+      out_dtype [N, D], replicated.
+    """
+    n = ep.size
+    if num_experts % n:
+        raise ValueError(f"moe_apply_ep: {num_experts} experts do not divide over an expert axis of size {n}")
+    body = _gather_body if ep.strategy(x.shape[0]) == "gather" else _all_to_all_body
+    fn = jax.shard_map(
+        lambda a, b, c, p: body(a, b, c, p, experts_fn=experts_fn, num_experts=num_experts, n=n),
+        mesh=ep.mesh, in_specs=(P(), P(), P(), P(EXPERT_AXIS)), out_specs=P(), check_vma=False)
+    return fn(x, topk_ids, topk_weights, expert_params).astype(out_dtype)

@@ -1,0 +1,125 @@
+"""Expert parallelism: the sharded model equals the single-device one (CPU: 8 virtual devices)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jax_w4a8 import sharding
+from jax_w4a8.expert_parallel import ExpertParallel
+from jax_w4a8.models.deepseek import DeepseekConfig, jit_forward, load_checkpoint, shard_model
+from test_deepseek_model import TINY128, random_weights, write_checkpoint
+
+CFG = dict(TINY128, num_hidden_layers=2, n_routed_experts=8)  # W4A8-ready dims, one dense + one MoE layer
+IDS = np.random.default_rng(7).integers(0, CFG["vocab_size"], (2, 9)).astype(np.int32)  # 18 tokens
+
+
+def _checkpoint(tmp_path_factory, name, skew=False):
+    cfg = DeepseekConfig.from_dict(CFG)
+    w = random_weights(cfg, np.random.default_rng(1234))
+    if skew:  # experts 0 and 1 (the first device's at n = 4) take almost every slot
+        b = w["model.layers.1.mlp.gate.e_score_correction_bias"]
+        b[:2] += 5.0
+    path = str(tmp_path_factory.mktemp(name) / "ckpt")
+    write_checkpoint(path, CFG, w)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "ep")
+
+
+@pytest.fixture(scope="module")
+def skewed_ckpt(tmp_path_factory):
+    return _checkpoint(tmp_path_factory, "ep_skew", skew=True)
+
+
+def _logits(model, ids=IDS):
+    return np.asarray(jit_forward(model)(jnp.asarray(ids)).astype(jnp.float32))
+
+
+def _single(path, dtype, devices):
+    with jax.default_device(devices[0]):
+        return _logits(load_checkpoint(path, quantize="w4a8", dtype=dtype, progress=False))
+
+
+def _check_sharded(path, n, dispatch, devices, dtype=jnp.float32, ids=IDS, tol=2e-6):
+    ref = _single(path, dtype, devices) if ids is IDS else None
+    mesh = sharding.make_mesh(n, devices)
+    model = load_checkpoint(path, quantize="w4a8", dtype=dtype, progress=False, mesh=mesh, dispatch=dispatch)
+    w = model.model.layers[1].mlp.experts.gate_up_proj[...]
+    assert w.sharding.spec == P(sharding.EXPERT_AXIS, None, None)
+    assert {s.data.shape[0] for s in w.addressable_shards} == {CFG["n_routed_experts"] // n}
+    attn = model.model.layers[1].self_attn.kv_a_proj_with_mqa.weight[...]
+    assert attn.sharding.is_fully_replicated
+    hlo = jax.jit(lambda t: model(t)).lower(jnp.asarray(ids)).as_text()
+    if n > 1:  # the experts really run in a shard_map with this dispatch's collectives
+        want = "stablehlo.all_reduce" if dispatch == "gather" else "stablehlo.all_to_all"
+        assert dispatch == "auto" or want in hlo, f"no {want} in the lowered model"
+    out = _logits(model, ids)
+    if ref is None:
+        with jax.default_device(devices[0]):
+            ref = _logits(load_checkpoint(path, quantize="w4a8", dtype=dtype, progress=False), ids)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err <= tol, f"n={n} {dispatch}: max error {err:.2e} relative to the largest logit"
+    np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
+    return err
+
+
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_sharded_equals_single_device(ckpt, n, dispatch):
+    """Same math on 1..8 devices: float32 logits equal up to summation order of the expert combine."""
+    _check_sharded(ckpt, n, dispatch, jax.devices("cpu"))
+
+
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_skewed_routing(skewed_ckpt, dispatch):
+    """One device receives almost every slot: no token is dropped, results unchanged."""
+    _check_sharded(skewed_ckpt, 4, dispatch, jax.devices("cpu"))
+
+
+def test_fewer_tokens_than_devices(ckpt):
+    """Two tokens over eight devices: six devices hold only padding in the all-to-all dispatch."""
+    _check_sharded(ckpt, 8, "all_to_all", jax.devices("cpu"), ids=IDS[:1, :2])
+
+
+def test_bf16_sharded_close(ckpt):
+    """bf16: expert outputs are rounded per row as on one device; only the fp32 combine order differs."""
+    _check_sharded(ckpt, 4, "auto", jax.devices("cpu"), dtype=jnp.bfloat16, tol=2e-2)
+
+
+def test_auto_dispatch_by_tokens():
+    mesh = sharding.make_mesh(2, jax.devices("cpu"))
+    ep = ExpertParallel(mesh, "auto", gather_max_tokens=16)
+    assert ep.strategy(16) == "gather" and ep.strategy(17) == "all_to_all"
+    with pytest.raises(ValueError, match="'dispatch'"):
+        ExpertParallel(mesh, "ring")
+
+
+def test_indivisible_experts_fail_at_load(ckpt):
+    mesh = sharding.make_mesh(3, jax.devices("cpu"))
+    with pytest.raises(ValueError, match="n_routed_experts=8 does not divide"):
+        load_checkpoint(ckpt, quantize="w4a8", progress=False, mesh=mesh)
+
+
+def test_shard_model_in_place(ckpt):
+    devices = jax.devices("cpu")
+    with jax.default_device(devices[0]):
+        model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, progress=False)
+        ref = _logits(model)
+    shard_model(model, sharding.make_mesh(4, devices), dispatch="all_to_all")
+    np.testing.assert_allclose(_logits(model), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_two_gpus_equal_one(ckpt, dispatch):
+    """Through the CUDA kernels and NCCL (ragged all-to-all) on two GPUs."""
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip("needs two GPUs")
+    # The tensor cores accumulate with reduced precision; both runs use the same kernels per row.
+    _check_sharded(ckpt, 2, dispatch, gpus, tol=1e-5)
