@@ -199,6 +199,21 @@ def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float):
     return jnp.einsum("bhts,bshd->bthd", p, v, preferred_element_type=F32, precision=prec).astype(v.dtype)
 
 
+def _einsum_f32(equation, a, b, dtype):
+    """``einsum`` with float32 accumulation (HIGHEST for float32). XLA:CPU has no bf16 x bf16 -> f32 dot for
+    some layouts ("Unsupported element type for DotThunk"), so on CPU bf16 operands are widened to float32
+    first: the same result (bf16 products are exact in float32), computed with a float32 dot."""
+    prec = _precision(dtype)
+
+    def native():
+        return jnp.einsum(equation, a, b, preferred_element_type=F32, precision=prec)
+
+    if a.dtype == F32 and b.dtype == F32:
+        return native()
+    return jax.lax.platform_dependent(
+        cpu=lambda: jnp.einsum(equation, a.astype(F32), b.astype(F32), precision=HIGHEST), default=native)
+
+
 def mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, scale: float):
     """Attention in MLA's latent space (the absorbed form used for decoding over a latent cache).
 
@@ -215,15 +230,12 @@ def mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, scale: float):
       q_lat.dtype [B, T, H, R].
     """
     dtype = q_lat.dtype
-    prec = _precision(dtype)
     c_kv, k_pe = c_kv.astype(dtype), k_pe.astype(dtype)
-    s = jnp.einsum("bthr,bsr->bhts", q_lat, c_kv, preferred_element_type=F32, precision=prec)
-    s = s + jnp.einsum("bthr,bsr->bhts", q_pe.astype(dtype), k_pe, preferred_element_type=F32, precision=prec)
+    s = _einsum_f32("bthr,bsr->bhts", q_lat, c_kv, dtype) + _einsum_f32("bthr,bsr->bhts", q_pe.astype(dtype), k_pe,
+                                                                       dtype)
     s = jnp.where(mask[:, None], s * scale, jnp.finfo(F32).min)
     p = jax.nn.softmax(s, axis=-1).astype(dtype)
-    # "bhts,bsr->bhtr" then a transpose: XLA:CPU has no bf16 x bf16 -> f32 dot for the "->bthr" layout
-    o = jnp.einsum("bhts,bsr->bhtr", p, c_kv, preferred_element_type=F32, precision=prec).astype(dtype)
-    return jnp.swapaxes(o, 1, 2)
+    return jnp.swapaxes(_einsum_f32("bhts,bsr->bhtr", p, c_kv, dtype).astype(dtype), 1, 2)
 
 
 def silu_mul(gate, up, dtype):
@@ -608,15 +620,13 @@ class MLA(nnx.Module):
             q_lat = ops.fp8_einsum("bhd,hrd->bhr", q8, qs, a["w_kT"], a["w_kT_scale"], out_dtype=dtype, ue8m0=ue8m0)
             q_lat = q_lat.reshape(b, t, h, -1)
         else:
-            q_lat = jnp.einsum("bthd,hrd->bthr", q_nope, a["w_kT"].astype(dtype), precision=_precision(dtype),
-                               preferred_element_type=F32).astype(dtype)
+            q_lat = _einsum_f32("bthd,hrd->bthr", q_nope, a["w_kT"].astype(dtype), dtype).astype(dtype)
         o_lat = mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, c.softmax_scale)
         if fp8:
             o8, os_ = qlib.quantize_fp8_groups(o_lat.reshape(b * t, h, -1), BLOCK, ue8m0)
             o = ops.fp8_einsum("bhr,hdr->bhd", o8, os_, a["w_v"], a["w_v_scale"], out_dtype=dtype, ue8m0=ue8m0)
         else:
-            o = jnp.einsum("bthr,hdr->bthd", o_lat, a["w_v"].astype(dtype), precision=_precision(dtype),
-                           preferred_element_type=F32).astype(dtype)
+            o = _einsum_f32("bthr,hdr->bthd", o_lat, a["w_v"].astype(dtype), dtype).astype(dtype)
         return self.o_proj(o.reshape(b, t, h * c.v_head_dim))
 
     def __call__(self, x, cos, sin, mask):

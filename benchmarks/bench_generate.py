@@ -1,0 +1,394 @@
+"""Prefill and decode of a DeepSeek-V3-width model: W4A8 vs bf16 (XLA ragged_dot, Pallas grouped GEMM).
+
+    python benchmarks/bench_generate.py [--layers 3] [--out DIR] [--results]     # on one H200
+    python benchmarks/bench_generate.py --tiny                                     # CPU smoke test
+
+The model has DeepSeek-V3's widths (vocab 129280, hidden 7168, 128 heads, q_lora 1536, kv_lora 512,
+qk_nope 128, qk_rope 64, v_head 128, 256 routed experts of 2048 + 1 shared, top-8 of 8 groups / 4 kept,
+YaRN as V3) and ``--layers`` decoder layers, all MoE (``--dense-layers`` makes the first ones dense).
+Random weights are made on the device, tensor by tensor (never on the host), in three variants, one after
+the other in the same process (each freed before the next is built, so the bf16 one fits):
+
+* ``w4a8``: routed experts int4 (group 128) x fp8 activations (``ops.w4a8_grouped_gemm``), FP8 128x128
+  blocks for every other linear (``ops.fp8_einsum``, also MLA's absorbed per-head products);
+* ``bf16_ragged_dot``: everything bf16, experts on ``jax.lax.ragged_dot``;
+* ``bf16_pallas``: the same bf16 model with its experts on JAX's Pallas Mosaic-GPU grouped GEMM
+  (``jax.experimental.pallas.ops.gpu.ragged_dot_mgpu``, bf16 weights in [E, K, N], block_m 64, block_n 128,
+  block_k 64, 4 concurrent steps, grid_block_n 1; GPU only).
+
+Measured, through :class:`jax_w4a8.models.deepseek.generate.Generator` (the code ``generate()`` runs):
+
+* prefill: one prompt of 1024 and of 4096 tokens (batch 1), tokens/s (median of a few calls);
+* decode: one step at batch 1, 16 and 64 with a latent cache of ``--context`` filled slots, per-step latency
+  (wall clock of a run of back-to-back steps, dispatched from Python as generate() does) and tokens/s.
+
+Prints a table; writes ``generate.json`` to ``--out`` (default ``$OUT``, else ``benchmarks/out``);
+``--results`` also rewrites the ``generate`` section of benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+PALLAS_CFG = dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+SECTION = "generate: prefill and decode, DeepSeek-V3 widths (W4A8 vs bf16)"
+
+
+def v3_config(layers: int, dense: int, tiny: bool):
+    from jax_w4a8.models.deepseek import DeepseekConfig
+
+    d = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+             num_hidden_layers=layers, first_k_dense_replace=dense, num_attention_heads=128, num_key_value_heads=128,
+             q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+             n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+             routed_scaling_factor=2.5, norm_topk_prob=True, max_position_embeddings=163840, rope_theta=10000.0,
+             rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                           "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    if tiny:
+        d.update(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                 num_attention_heads=2, num_key_value_heads=2, q_lora_rank=128, kv_lora_rank=128,
+                 n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, max_position_embeddings=4096,
+                 rope_scaling={"type": "yarn", "factor": 4, "original_max_position_embeddings": 1024,
+                               "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0})
+    return DeepseekConfig.from_dict(d)
+
+
+# ----------------------------------------------------------------------------------------------
+# random weights on the device
+# ----------------------------------------------------------------------------------------------
+def _make_leaf(key, shape, dtype, kind: str, k_in: int):
+    """One random variable (traced; runs on the device).
+
+    Values: float matrices uniform with std 1/sqrt(K) (the embedding std 1); norm weights 1; the router bias
+    N(0, 0.1); fp8 weights random finite e4m3 bit patterns with |w| < 2 (exponent bit 3 cleared) and
+    scales 2/sqrt(K); packed int4 any byte, scales 1/(4.6 sqrt(K)). Timings do not depend on the values;
+    routing over random router weights is near-uniform (as for a trained model on average).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "bias":
+        return (jax.random.normal(key, shape, jnp.float32) * 0.1).astype(dtype)
+    if kind == "int4":                                    # packed int4 pairs: any byte is valid
+        return jax.lax.bitcast_convert_type(jax.random.bits(key, shape, jnp.uint8), jnp.int8)
+    if kind == "fp8":                                     # e4m3 bit patterns without exponent bit 3: no NaN
+        bits = jax.random.bits(key, shape, jnp.uint8) & jnp.uint8(0xBF)
+        return jax.lax.bitcast_convert_type(bits, jnp.float8_e4m3fn)
+    if kind == "scale_w4":                                # int4 in [-8, 7]: std ~4.6
+        return jnp.full(shape, 1.0 / (4.6 * k_in ** 0.5), dtype)
+    if kind == "scale_fp8":                               # |e4m3 w| < 2, rms ~0.5
+        return jnp.full(shape, 2.0 / k_in ** 0.5, dtype)
+    std = 1.0 if kind == "embed" else k_in ** -0.5
+    u = jax.random.bits(key, shape, jnp.uint16).astype(jnp.float32) * (1.0 / 65536.0) - 0.5
+    return (u * (std * 12 ** 0.5)).astype(dtype)
+
+
+def _make_group_impl(key, specs):
+    import jax
+
+    return [_make_leaf(jax.random.fold_in(key, j), *spec) for j, spec in enumerate(specs)]
+
+
+def _make_group(key, specs):
+    """The variables ``specs`` ((shape, dtype, kind, K) each) in one jitted call on the default device;
+    decoder layers of the same structure share one compilation (the key is an argument)."""
+    import jax
+
+    global _MAKE
+    if _MAKE is None:
+        _MAKE = jax.jit(_make_group_impl, static_argnums=1)
+    return _MAKE(key, specs)
+
+
+_MAKE = None
+
+
+def _spec(name, var, weights):
+    import jax.numpy as jnp
+
+    shape, dt = tuple(var.shape), jnp.dtype(var.dtype)
+    if name.endswith("e_score_correction_bias"):
+        return shape, dt, "bias", 0
+    if len(shape) == 1:
+        return shape, dt, "ones", 0
+    if name.endswith("_scale_inv"):
+        w = weights[name[:-len("_scale_inv")]]
+        w4 = jnp.dtype(w.dtype) == jnp.int8
+        return shape, dt, "scale_w4" if w4 else "scale_fp8", w.shape[-1] * (2 if w4 else 1)
+    if dt == jnp.int8:
+        return shape, dt, "int4", 0
+    if dt == jnp.float8_e4m3fn:
+        return shape, dt, "fp8", 0
+    return shape, dt, "embed" if "embed_tokens" in name else "float", shape[-1]
+
+
+def random_model(cfg, quant, dtype):
+    """A DeepseekV3ForCausalLM with random weights made on the default device: one jitted call per decoder
+    layer (plus one for the embedding, final norm and lm_head), never a host array."""
+    import jax
+    from flax import nnx
+
+    from jax_w4a8.models.deepseek import DeepseekV3ForCausalLM
+
+    abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, quant=quant, dtype=dtype, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(abstract)
+    flat_abs = list(nnx.to_flat_state(state))
+    weights = {".".join(map(str, p)): v for p, v in flat_abs}
+    groups: dict = {}
+    for path, var in flat_abs:
+        g = path[2] if len(path) > 2 and path[:2] == ("model", "layers") else -1
+        groups.setdefault(g, []).append((path, var))
+    flat = []
+    for g, items in groups.items():
+        specs = tuple(_spec(".".join(map(str, p)), v, weights) for p, v in items)
+        arrays = _make_group(jax.random.fold_in(jax.random.key(0), g + 1), specs)
+        flat += [(p, v.replace(a)) for (p, v), a in zip(items, arrays)]
+        jax.block_until_ready(arrays)
+    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+class PallasExperts:
+    """Drop-in ``experts_fn`` for :class:`layers.MoE`: bf16 [E, K, N] weights on the Pallas grouped GEMM."""
+
+    def __init__(self, w13, w2, inter: int):
+        self.w13, self.w2, self.inter = w13, w2, inter          # [E, D, 2I], [E, I, D] bf16
+
+    def __call__(self, x_sorted, group_sizes):
+        import jax.numpy as jnp
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as pm
+
+        from jax_w4a8.models.deepseek import layers
+
+        x = x_sorted.astype(jnp.bfloat16)
+        gu = pm.ragged_dot(x, self.w13, group_sizes=group_sizes, **PALLAS_CFG)
+        h = layers.silu_mul(gu[:, :self.inter], gu[:, self.inter:], jnp.bfloat16)
+        return pm.ragged_dot(h, self.w2, group_sizes=group_sizes, **PALLAS_CFG)
+
+
+def to_pallas_experts(model):
+    """Replaces every MoE layer's bf16 experts by :class:`PallasExperts` (new random [E, K, N] weights; the
+    [E, N, K] ones are freed first). The module becomes an nnx.Module attribute holding nnx.Params."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_w4a8.models.deepseek import layers
+
+    class _PallasModule(nnx.Module):
+        def __init__(self, w13, w2, inter):
+            self.w13, self.w2, self.inter = nnx.Param(w13), nnx.Param(w2), inter
+
+        def __call__(self, x_sorted, group_sizes):
+            return PallasExperts(self.w13[...], self.w2[...], self.inter)(x_sorted, group_sizes)
+
+    for i, layer in enumerate(model.model.layers):
+        if not isinstance(layer.mlp, layers.MoE):
+            continue
+        ex = layer.mlp.experts
+        e, d, inter = ex.num_experts, ex.hidden, ex.inter
+        for v in (ex.gate_up_proj, ex.down_proj):
+            v[...].delete()
+        w13, w2 = _make_group(jax.random.key(1000 + i), (((e, d, 2 * inter), jnp.dtype(jnp.bfloat16), "float", d),
+                                                          ((e, inter, d), jnp.dtype(jnp.bfloat16), "float", inter)))
+        layer.mlp.experts = _PallasModule(w13, w2, inter)
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# measurements
+# ----------------------------------------------------------------------------------------------
+def bench_prefill(gen, cfg, t: int, reps: int):
+    import jax
+    import jax.numpy as jnp
+
+    mode, sampling, key = gen.mode(), gen.sampling(), jax.random.key(0)
+    ids = jax.random.randint(jax.random.key(t), (1, t), 2, cfg.vocab_size, jnp.int32)
+
+    def once():
+        cache = gen.init_cache(1, t)
+        t0 = time.perf_counter()
+        cache, state = gen.prefill(ids, cache, mode, key, sampling)
+        jax.block_until_ready(state.tokens)
+        return time.perf_counter() - t0
+
+    t_first = once()                                     # compile
+    times = [once() for _ in range(reps)]
+    return statistics.median(times), t_first
+
+
+def bench_decode(gen, cfg, batch: int, context: int, steps: int):
+    import jax
+    import jax.numpy as jnp
+
+    from jax_w4a8.models.deepseek.generate import DecodeState, MLACache
+
+    mode, sampling, key = gen.mode(), gen.sampling(), jax.random.key(0)
+    cache_len = context + steps + 8
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    mk = jax.jit(lambda k: jax.random.normal(k, (batch, cache_len, width), jnp.float32).astype(gen.cache_dtype))
+    kv = tuple(mk(jax.random.key(100 + i)) for i in range(cfg.num_hidden_layers))
+    cache = MLACache(kv, jnp.zeros((batch,), jnp.int32), jnp.asarray(context, jnp.int32))
+    state = DecodeState(jax.random.randint(jax.random.key(batch), (batch,), 2, cfg.vocab_size, jnp.int32),
+                        jnp.ones((batch,), bool), jnp.zeros((batch,), bool), jnp.full((batch,), -1, jnp.int32),
+                        jnp.asarray(0, jnp.int32))
+    t0 = time.perf_counter()
+    for _ in range(3):                                   # compile + warm up
+        cache, state = gen.decode(cache, state, mode, key, sampling)
+    jax.block_until_ready(state.tokens)
+    t_warm = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        cache, state = gen.decode(cache, state, mode, key, sampling)
+    jax.block_until_ready(state.tokens)
+    dt = (time.perf_counter() - t0) / steps
+    del cache
+    return dt, t_warm
+
+
+def run_variant(name, model, cfg, args, rows):
+    import gc
+
+    from jax_w4a8.models.deepseek.generate import Generator
+
+    gen = Generator(model)
+    for t in args.prefill:
+        try:
+            s, first = bench_prefill(gen, cfg, t, args.prefill_reps)
+            r = dict(model=name, phase="prefill", batch=1, tokens=t, ms=round(s * 1e3, 2),
+                     tokens_per_s=round(t / s, 1), compile_s=round(first - s, 1))
+        except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of memory)
+            r = dict(model=name, phase="prefill", batch=1, tokens=t, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        rows.append(r)
+        print(C.fmt_table([r], list(r)), flush=True)
+        gc.collect()
+    for b in args.batches:
+        try:
+            s, warm = bench_decode(gen, cfg, b, args.context, args.steps)
+            r = dict(model=name, phase="decode", batch=b, tokens=args.context, ms=round(s * 1e3, 3),
+                     tokens_per_s=round(b / s, 1), compile_s=round(warm - 3 * s, 1))
+        except Exception as exc:  # noqa: BLE001
+            r = dict(model=name, phase="decode", batch=b, tokens=args.context,
+                     error=f"{type(exc).__name__}: {str(exc)[:200]}")
+        rows.append(r)
+        print(C.fmt_table([r], list(r)), flush=True)
+        gc.collect()
+    del gen
+
+
+def _free(model):
+    import jax
+    from flax import nnx
+
+    for leaf in jax.tree.leaves(nnx.state(model)):
+        if hasattr(leaf, "delete") and not leaf.is_deleted():
+            leaf.delete()
+
+
+def summarize(rows):
+    """Per phase and size: each model's tokens/s and W4A8's speed-up over the faster bf16 variant."""
+    out = []
+    keys = sorted({(r["phase"], r["batch"], r["tokens"]) for r in rows}, key=lambda k: (k[0] != "prefill", k[1], k[2]))
+    for phase, b, t in keys:
+        got = {r["model"]: r for r in rows if (r["phase"], r["batch"], r["tokens"]) == (phase, b, t)}
+        s = dict(phase=phase, batch=b, tokens=t)
+        for m, r in got.items():
+            s[f"{m} tok/s"] = r.get("tokens_per_s", "error")
+            if phase == "decode" and "ms" in r:
+                s[f"{m} ms/step"] = r["ms"]
+        bf = [got[m]["tokens_per_s"] for m in ("bf16_ragged_dot", "bf16_pallas") if "tokens_per_s" in got.get(m, {})]
+        if bf and "tokens_per_s" in got.get("w4a8", {}):
+            s["w4a8 / best bf16"] = f"{got['w4a8']['tokens_per_s'] / max(bf):.2f}x"
+        out.append(s)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=3, help="decoder layers (default 3: bf16 ~70 GB)")
+    p.add_argument("--dense-layers", type=int, default=0, help="first_k_dense_replace (default 0: all MoE)")
+    p.add_argument("--prefill", type=int, nargs="*", default=[1024, 4096], help="prompt lengths")
+    p.add_argument("--prefill-reps", type=int, default=3)
+    p.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64], help="decode batch sizes")
+    p.add_argument("--context", type=int, default=1024, help="filled cache slots during decode")
+    p.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    p.add_argument("--variants", nargs="*", default=["w4a8", "bf16_ragged_dot", "bf16_pallas"])
+    p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
+    p.add_argument("--out")
+    p.add_argument("--results", action="store_true", help="rewrite the section in benchmarks/RESULTS.md")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jax_w4a8.models.deepseek import QuantConfig
+
+    if args.tiny:
+        args.layers = min(args.layers, 2)
+        args.prefill = [16, 64][:len(args.prefill)]
+        args.batches = [min(b, 4) for b in args.batches][:2] or [1]
+        args.context, args.steps, args.prefill_reps = min(args.context, 32), min(args.steps, 3), 1
+    cfg = v3_config(args.layers, args.dense_layers, args.tiny)
+    on_gpu = jax.default_backend() == "gpu"
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; {cfg.num_hidden_layers} layers "
+          f"({cfg.num_hidden_layers - cfg.first_k_dense_replace} MoE), hidden {cfg.hidden_size}, "
+          f"{cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}", flush=True)
+    rows = []
+    t_start = time.perf_counter()
+    variants = [v for v in args.variants if v != "bf16_pallas" or on_gpu]
+    if "bf16_pallas" in args.variants and not on_gpu:
+        print("bf16_pallas skipped: the Pallas Mosaic-GPU kernel needs a GPU", flush=True)
+    if "w4a8" in variants:
+        t0 = time.perf_counter()
+        model = random_model(cfg, QuantConfig.w4a8(), jnp.bfloat16)
+        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+        print(f"w4a8 model made in {time.perf_counter() - t0:.1f} s", flush=True)
+        run_variant("w4a8", model, cfg, args, rows)
+        _free(model)
+        del model
+    if "bf16_ragged_dot" in variants or "bf16_pallas" in variants:
+        t0 = time.perf_counter()
+        model = random_model(cfg, QuantConfig(), jnp.bfloat16)
+        jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+        print(f"bf16 model made in {time.perf_counter() - t0:.1f} s", flush=True)
+        if "bf16_ragged_dot" in variants:
+            run_variant("bf16_ragged_dot", model, cfg, args, rows)
+        if "bf16_pallas" in variants:
+            to_pallas_experts(model)
+            run_variant("bf16_pallas", model, cfg, args, rows)
+        _free(model)
+        del model
+    total = time.perf_counter() - t_start
+    summary = summarize(rows)
+    cols = []
+    for s in summary:
+        cols += [c for c in s if c not in cols]
+    print("\n" + C.fmt_table(summary, cols))
+    print(f"\ntotal {total:.0f} s")
+    payload = dict(config=cfg.to_dict(), args={k: v for k, v in vars(args).items()}, rows=rows, summary=summary,
+                   total_s=total, pallas=PALLAS_CFG)
+    out = C.out_dir(args.out)
+    C.save_json(out / "generate.json", payload)
+    print(f"wrote {out / 'generate.json'}")
+    if args.results and not args.tiny:
+        body = (f"Measured {time.strftime('%Y-%m-%d')} on {jax.devices()[0].device_kind} (jax {jax.__version__}), "
+                f"`python benchmarks/bench_generate.py --layers {args.layers}`: DeepSeek-V3 widths, "
+                f"{cfg.num_hidden_layers} MoE layers, random weights; prefill at batch 1, decode with "
+                f"{args.context} cached tokens, {args.steps} timed steps dispatched from Python. "
+                f"Pallas: {json.dumps(PALLAS_CFG)}.\n\n" + C.md_table(summary, cols) + "\n")
+        C.update_results_section(SECTION, body)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,145 @@
+"""The generate CLI: ``python -m jax_w4a8`` end to end on the embedded default (CPU), options, chat templates."""
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from jax_w4a8 import generate as cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GOLDEN = os.path.join(ROOT, "tests", "golden")
+
+
+def _env():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def test_main_job_on_the_embedded_default():
+    """``python -m jax_w4a8`` (what scripts/main.sh runs): random-weight warning, W4A8 model, streamed text, and
+    the closing throughput line."""
+    r = subprocess.run([sys.executable, "-m", "jax_w4a8", "--max-new-tokens", "12"], cwd=ROOT, env=_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout
+    print(out)
+    assert "RANDOM weights" in out
+    assert "experts W4A8" in out and "linears FP8 blocks" in out
+    assert "chat template" in out and "<｜Assistant｜>" in out
+    assert ">>> " in out
+    m = re.search(r"prefill: (\d+) tokens in [\d.]+ ms \(([\d,]+) tokens/s\) \| decode: (\d+) tokens in [\d.]+ s "
+                  r"\(([\d,.]+) tokens/s, [\d.]+ ms/step\)", out)
+    assert m, out
+    assert int(m.group(1)) > 0 and 0 < int(m.group(3)) <= 11
+    assert "loading default" in r.stderr          # the progress bar
+
+
+def test_help_names_the_options():
+    r = subprocess.run([sys.executable, "-m", "jax_w4a8", "--help"], cwd=ROOT, env=_env(), capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0
+    for opt in ("--checkpoint", "--prompt", "--max-new-tokens", "--quantize", "--temperature", "--top-p"):
+        assert opt in r.stdout
+
+
+def test_checkpoint_dir_without_chat_template_fp8_sampling(tmp_path, capsys):
+    """A checkpoint directory given with --checkpoint: no tokenizer_config.json (raw prompt + BOS from the
+    tokenizer's post-processor), FP8 quantization on load, sampling."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(cli.DEFAULT_CHECKPOINT, ckpt)
+    os.remove(ckpt / "tokenizer_config.json")
+    rc = cli.main(["--checkpoint", str(ckpt), "--prompt", "Hello", "--quantize", "fp8", "--temperature", "0.8",
+                   "--top-p", "0.9", "--max-new-tokens", "5", "--seed", "3", "--check-finite"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "RANDOM" not in out and "chat template" not in out
+    assert "experts FP8 blocks" in out
+    assert re.search(r"decode: \d+ tokens", out)
+
+
+def test_missing_tokenizer_is_a_clear_error(capsys):
+    rc = cli.main(["--checkpoint", os.path.join(GOLDEN, "yarn_qlora"), "--max-new-tokens", "2"])
+    assert rc == 2
+    assert "tokenizer.json" in capsys.readouterr().err
+
+
+DEEPSEEK_V3_TEMPLATE = ("{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
+                        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+                        "{{'<｜User｜>' + message['content']}}{% endif %}{% endfor %}"
+                        "{% if add_generation_prompt %}{{'<｜Assistant｜>'}}{% endif %}")
+R1_TEMPLATE = DEEPSEEK_V3_TEMPLATE.replace("{{'<｜Assistant｜>'}}", "{{'<｜Assistant｜><think>\\n'}}")
+BOS = "<｜begin▁of▁sentence｜>"
+
+
+def test_chat_template_fallback_formats(monkeypatch):
+    monkeypatch.setitem(sys.modules, "jinja2", None)          # force the fallback
+    msgs = [{"role": "user", "content": "Hi"}]
+    assert cli.render_chat_template(DEEPSEEK_V3_TEMPLATE, msgs, bos_token=BOS) == (
+        BOS + "<｜User｜>Hi<｜Assistant｜>", "fallback")
+    assert cli.render_chat_template(R1_TEMPLATE, msgs, bos_token=BOS) == (
+        BOS + "<｜User｜>Hi<｜Assistant｜><think>\n", "fallback")
+    chatml = "{% for m in messages %}<|im_start|>{{ m['role'] }}...{% endfor %}"
+    assert cli.render_chat_template(chatml, msgs) == ("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n",
+                                                      "fallback")
+    assert cli.render_chat_template("{{ messages }}", msgs) == ("Hi", "raw")
+
+
+def test_chat_template_jinja_agrees_with_fallback(monkeypatch):
+    pytest.importorskip("jinja2")
+    import json
+
+    with open(os.path.join(cli.DEFAULT_CHECKPOINT, "tokenizer_config.json"), encoding="utf-8") as f:
+        template = json.load(f)["chat_template"]
+    msgs = [{"role": "user", "content": "Hi there"}]
+    got, how = cli.render_chat_template(template, msgs, bos_token=BOS, eos_token="<｜end▁of▁sentence｜>")
+    assert how == "jinja2"
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    assert cli.render_chat_template(template, msgs, bos_token=BOS)[0] == got
+
+
+def test_text_stream_holds_back_partial_utf8():
+    class ByteTok:          # decodes ids as bytes, like a byte-level BPE with one byte per token
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    class Out:
+        def __init__(self):
+            self.parts = []
+
+        def write(self, s):
+            self.parts.append(s)
+
+        def flush(self):
+            pass
+
+    out = Out()
+    s = cli.TextStream(ByteTok(), out)
+    for b in "aé€".encode():
+        s([b], [True])
+    s([0x41], [False])                 # an inactive row is ignored
+    s.close()
+    assert "".join(out.parts) == "aé€\n"
+    assert all("\ufffd" not in p for p in out.parts)
+
+
+def test_bench_generate_tiny_runs(tmp_path):
+    """benchmarks/bench_generate.py --tiny (the H200 benchmark's CPU smoke test): both CPU variants measured."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("bench_generate", os.path.join(ROOT, "benchmarks",
+                                                                                  "bench_generate.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--out", str(tmp_path)]) == 0
+    payload = json.loads((tmp_path / "generate.json").read_text())
+    got = {(r["model"], r["phase"]): r for r in payload["rows"]}
+    assert set(got) == {("w4a8", "prefill"), ("w4a8", "decode"), ("bf16_ragged_dot", "prefill"),
+                        ("bf16_ragged_dot", "decode")}
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in got.values()), payload["rows"]
+    assert payload["summary"] and "w4a8 / best bf16" in payload["summary"][0]
