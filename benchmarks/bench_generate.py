@@ -22,8 +22,13 @@ Measured, through :class:`jax_w4a8.models.deepseek.generate.Generator` (the code
 * decode: one step at batch 1, 16 and 64 with a latent cache of ``--context`` filled slots, per-step latency
   (wall clock of a run of back-to-back steps, dispatched from Python as generate() does) and tokens/s.
 
-Prints a table; writes ``generate.json`` to ``--out`` (default ``$OUT``, else ``benchmarks/out``);
-``--results`` also rewrites the ``generate`` section of benchmarks/RESULTS.md.
+Prints a table; writes ``generate.json`` to ``--out`` (default ``$OUT``, else ``benchmarks/out``) after
+every variant; ``--results`` also rewrites the ``generate`` section of benchmarks/RESULTS.md.
+
+Seen on the H200 (2026-11-30, jax 0.11.2): compiling the Pallas variant at these shapes crashed the
+process inside Mosaic GPU's LLVM lowering (InstCombine), which lost the whole run's output; rows are now
+saved after each variant, and ``--variants w4a8 bf16_ragged_dot`` then ``--variants bf16_pallas`` runs
+them apart.
 """
 
 from __future__ import annotations
@@ -345,6 +350,12 @@ def main(argv=None):
           f"{cfg.n_routed_experts} experts of {cfg.moe_intermediate_size}, top-{cfg.num_experts_per_tok}", flush=True)
     rows = []
     t_start = time.perf_counter()
+    out = C.out_dir(args.out)
+
+    def save_partial():  # after every variant: a later crash (see the module docstring) keeps these rows
+        C.save_json(out / "generate.json", dict(config=cfg.to_dict(), args=dict(vars(args)), rows=rows,
+                                                partial=True, pallas=PALLAS_CFG))
+
     variants = [v for v in args.variants if v != "bf16_pallas" or on_gpu]
     if "bf16_pallas" in args.variants and not on_gpu:
         print("bf16_pallas skipped: the Pallas Mosaic-GPU kernel needs a GPU", flush=True)
@@ -354,6 +365,7 @@ def main(argv=None):
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
         print(f"w4a8 model made in {time.perf_counter() - t0:.1f} s", flush=True)
         run_variant("w4a8", model, cfg, args, rows)
+        save_partial()
         _free(model)
         del model
     if "bf16_ragged_dot" in variants or "bf16_pallas" in variants:
@@ -363,6 +375,7 @@ def main(argv=None):
         print(f"bf16 model made in {time.perf_counter() - t0:.1f} s", flush=True)
         if "bf16_ragged_dot" in variants:
             run_variant("bf16_ragged_dot", model, cfg, args, rows)
+            save_partial()
         if "bf16_pallas" in variants:
             to_pallas_experts(model)
             run_variant("bf16_pallas", model, cfg, args, rows)
@@ -377,7 +390,6 @@ def main(argv=None):
     print(f"\ntotal {total:.0f} s")
     payload = dict(config=cfg.to_dict(), args={k: v for k, v in vars(args).items()}, rows=rows, summary=summary,
                    total_s=total, pallas=PALLAS_CFG)
-    out = C.out_dir(args.out)
     C.save_json(out / "generate.json", payload)
     print(f"wrote {out / 'generate.json'}")
     if args.results and not args.tiny:
