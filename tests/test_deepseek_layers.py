@@ -393,3 +393,12 @@ def test_fake_quant_fp8_groups(rng):
         same = np.isclose(got, want, rtol=1e-6, atol=1e-7)
         assert same.sum() >= same.size - 1, np.nonzero(~same)   # (see the reciprocal note above)
         np.testing.assert_allclose(got, want, rtol=0.07)         # at most one neighbouring e4m3 code
+
+
+def test_linear_ue8m0_passes_codes_without_host_check():
+    """UE8M0 scales travel as 1-byte codes: no pack_ue8m0 call (a host-syncing check) in a forward."""
+    lin = layers.Linear(256, 128, quant="fp8", dtype=jnp.bfloat16, ue8m0=True, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(lin)
+    x = jnp.ones((4, 256), jnp.bfloat16)
+    text = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v)).lower(state, x).as_text()
+    assert "jax_w4a8_fp8_einsum" in text and "jax_w4a8_ue8m0_pack" not in text
