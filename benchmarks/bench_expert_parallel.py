@@ -66,16 +66,18 @@ def main():
     rows = []
     w_mesh = weights(mesh)
     w_one = weights(single)
-    cases = (("decode", 64, "gather"), ("prefill", 4096, "all_to_all"))
+    cases = (("decode", 64, "gather", "ragged"), ("prefill", 4096, "all_to_all", "ragged"),
+             ("prefill", 4096, "all_to_all", "dense"))
     if args.tiny:
-        cases = (("decode", 8, "gather"), ("prefill", 64, "all_to_all"))
-    for name, tokens, dispatch in cases:
+        cases = (("decode", 8, "gather", "ragged"), ("prefill", 64, "all_to_all", "ragged"),
+                 ("prefill", 64, "all_to_all", "dense"))
+    for name, tokens, dispatch, exchange in cases:
         key = jax.random.key(tokens)
         rep = NamedSharding(mesh, P())
         x = jax.device_put(jax.random.normal(key, (tokens, d), jnp.bfloat16), rep)
         ids = jax.device_put(jax.random.randint(jax.random.fold_in(key, 1), (tokens, k), 0, e, jnp.int32), rep)
         tw = jax.device_put(jax.random.uniform(jax.random.fold_in(key, 2), (tokens, k), jnp.float32), rep)
-        ep = ExpertParallel(mesh, dispatch)
+        ep = ExpertParallel(mesh, dispatch, exchange=exchange)
         f_mesh = jax.jit(lambda a, b, c, w: moe_apply_ep(a, b, c, w, experts_fn, e, ep))
         f_comm = jax.jit(lambda a, b, c, w: moe_apply_ep(a, b, c, w, lambda prm, xs, gs: xs, e, ep))
         one = NamedSharding(single, P())
@@ -86,7 +88,7 @@ def main():
         t_comm = C.bench(f_comm, [(x, ids, tw, w_mesh)], n=5, rounds=5)
         err = float(jnp.abs(f_mesh(x, ids, tw, w_mesh).astype(jnp.float32) -
                             jax.device_put(f_one(x1, ids1, tw1, w_one), rep).astype(jnp.float32)).max())
-        r = dict(case=name, tokens=tokens, dispatch=dispatch, gpus=n, one_gpu_us=t_one * 1e6, mesh_us=t_mesh * 1e6,
+        r = dict(case=name, tokens=tokens, dispatch=dispatch if dispatch == "gather" else f"{dispatch}/{exchange}", gpus=n, one_gpu_us=t_one * 1e6, mesh_us=t_mesh * 1e6,
                  dispatch_collectives_us=t_comm * 1e6, compute_us=(t_mesh - t_comm) * 1e6, speedup=t_one / t_mesh,
                  max_abs_diff=err)
         rows.append(r)

@@ -22,6 +22,7 @@ Results equal the single-device layer up to float32 summation order.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -45,15 +46,22 @@ class ExpertParallel:
       dispatch: ``"auto"`` (``"gather"`` up to ``gather_max_tokens`` tokens, else ``"all_to_all"``),
         ``"gather"`` or ``"all_to_all"``.
       gather_max_tokens: the ``"auto"`` threshold, in tokens of one forward call.
+      exchange: how ``"all_to_all"`` moves rows on GPUs: ``"ragged"`` (``jax.lax.ragged_all_to_all``, only
+        real rows travel) or ``"dense"`` (``jax.lax.all_to_all`` of fixed-capacity buffers, the path XLA:CPU
+        always takes). On two H200s the ragged exchange of a 4096-token prefill took 88 ms (see
+        benchmarks/RESULTS.md); ``bench_expert_parallel.py`` times both.
     """
 
     mesh: Mesh
     dispatch: str = "auto"
     gather_max_tokens: int = 256
+    exchange: str = "ragged"
 
     def __post_init__(self):
         if self.dispatch not in DISPATCHES:
             raise ValueError(f"ExpertParallel: argument 'dispatch' must be one of {DISPATCHES}, got {self.dispatch!r}")
+        if self.exchange not in ("ragged", "dense"):
+            raise ValueError(f"ExpertParallel: argument 'exchange' must be 'ragged' or 'dense', got {self.exchange!r}")
         if EXPERT_AXIS not in self.mesh.shape:
             raise ValueError(f"ExpertParallel: the mesh has no {EXPERT_AXIS!r} axis (axes {tuple(self.mesh.shape)})")
 
@@ -90,7 +98,7 @@ def _gather_body(x, ids, weights, params, *, experts_fn, num_experts, n):
     return jax.lax.psum(out, EXPERT_AXIS)
 
 
-def _exchange(rows, send_offsets, send_sizes, out_offsets, recv_sizes, out_rows, cap, n):
+def _exchange(rows, send_offsets, send_sizes, out_offsets, recv_sizes, out_rows, cap, n, exchange="ragged"):
     """Chunk j of ``rows`` (rows send_offsets[j] .. + send_sizes[j]) goes to device j, landing at
     out_offsets[j] of its output [out_rows, ...]; recv_sizes[i] rows come from device i.
 
@@ -116,11 +124,13 @@ def _exchange(rows, send_offsets, send_sizes, out_offsets, recv_sizes, out_rows,
         out = jnp.zeros((out_rows,) + rows.shape[1:], rows.dtype)
         return out.at[dst.reshape(-1)].set(got.reshape((n * cap,) + rows.shape[1:]), mode="drop")
 
+    if exchange == "dense":
+        return dense(rows, send_offsets, send_sizes, out_offsets, recv_sizes)
     return jax.lax.platform_dependent(rows, send_offsets, send_sizes, out_offsets, recv_sizes,
                                       cuda=ragged, default=dense)
 
 
-def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n):
+def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exchange="ragged"):
     d = jax.lax.axis_index(EXPERT_AXIS)
     e_local = num_experts // n
     tokens, k = ids.shape
@@ -151,7 +161,7 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n):
     send_x = jnp.take(my_x, order // k, axis=0)
     send_e = jnp.take(my_ids, order) % e_local
     fwd = dict(send_offsets=send_offsets, send_sizes=send_sizes, out_offsets=jnp.full((n,), d * cap, jnp.int32),
-               recv_sizes=recv_sizes, out_rows=n * cap, cap=cap, n=n)
+               recv_sizes=recv_sizes, out_rows=n * cap, cap=cap, n=n, exchange=exchange)
     recv_x = _exchange(send_x, **fwd)
     recv_e = _exchange(send_e, **fwd)
 
@@ -163,7 +173,7 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n):
 
     # Send results back to where each slot came from, un-sort, combine my tokens.
     back = _exchange(y, send_offsets=arange_n * cap, send_sizes=recv_sizes, out_offsets=src_offsets,
-                     recv_sizes=send_sizes, out_rows=slots, cap=cap, n=n)
+                     recv_sizes=send_sizes, out_rows=slots, cap=cap, n=n, exchange=exchange)
     y_slots = jnp.take(back, inverse, axis=0).astype(F32)
     y_slots = jnp.where(slot_valid[:, None], y_slots, 0.0).reshape(t_local, k, -1)
     out = jnp.einsum("nkd,nk->nd", y_slots, my_w.astype(F32), precision=jax.lax.Precision.HIGHEST)
@@ -189,7 +199,10 @@ def moe_apply_ep(x, topk_ids, topk_weights, expert_params: Any, experts_fn: Call
     n = ep.size
     if num_experts % n:
         raise ValueError(f"moe_apply_ep: {num_experts} experts do not divide over an expert axis of size {n}")
-    body = _gather_body if ep.strategy(x.shape[0]) == "gather" else _all_to_all_body
+    if ep.strategy(x.shape[0]) == "gather":
+        body = _gather_body
+    else:
+        body = functools.partial(_all_to_all_body, exchange=ep.exchange)
     fn = jax.shard_map(
         lambda a, b, c, p: body(a, b, c, p, experts_fn=experts_fn, num_experts=num_experts, n=n),
         mesh=ep.mesh, in_specs=(P(), P(), P(), P(EXPERT_AXIS)), out_specs=P(), check_vma=False)

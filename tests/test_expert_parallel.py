@@ -97,6 +97,8 @@ def test_auto_dispatch_by_tokens():
     assert ep.strategy(16) == "gather" and ep.strategy(17) == "all_to_all"
     with pytest.raises(ValueError, match="'dispatch'"):
         ExpertParallel(mesh, "ring")
+    with pytest.raises(ValueError, match="'exchange'"):
+        ExpertParallel(mesh, exchange="ring")
 
 
 def test_indivisible_experts_fail_at_load(ckpt):
@@ -110,7 +112,7 @@ def test_shard_model_in_place(ckpt):
     with jax.default_device(devices[0]):
         model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, progress=False)
         ref = _logits(model)
-    shard_model(model, sharding.make_mesh(4, devices), dispatch="all_to_all")
+    shard_model(model, sharding.make_mesh(4, devices), dispatch="all_to_all", exchange="dense")
     np.testing.assert_allclose(_logits(model), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
@@ -123,3 +125,18 @@ def test_two_gpus_equal_one(ckpt, dispatch):
         pytest.skip("needs two GPUs")
     # The tensor cores accumulate with reduced precision; both runs use the same kernels per row.
     _check_sharded(ckpt, 2, dispatch, gpus, tol=1e-5)
+
+
+@pytest.mark.gpu
+def test_two_gpus_dense_exchange(ckpt):
+    """The fixed-capacity all_to_all exchange (the CPU path) through NCCL on two GPUs."""
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip("needs two GPUs")
+    with jax.default_device(gpus[0]):
+        model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, progress=False)
+        ref = _logits(model)
+    shard_model(model, sharding.make_mesh(2, gpus), dispatch="all_to_all", exchange="dense")
+    out = _logits(model)
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+    np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))

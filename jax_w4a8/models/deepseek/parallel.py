@@ -43,18 +43,18 @@ def set_expert_parallel(model, ep: ExpertParallel | None) -> None:
             mod.expert_parallel = ep
 
 
-def shard_model(model, mesh, *, dispatch: str = "auto", gather_max_tokens: int = 256):
+def shard_model(model, mesh, *, dispatch: str = "auto", gather_max_tokens: int = 256, exchange: str = "ragged"):
     """Places ``model``'s variables on ``mesh`` (experts sharded, the rest replicated) and enables EP.
 
     Args:
       model: a DeepseekV3ForCausalLM.
       mesh: a mesh with an ``"expert"`` axis whose size divides ``n_routed_experts``.
-      dispatch, gather_max_tokens: see :class:`jax_w4a8.expert_parallel.ExpertParallel`.
+      dispatch, gather_max_tokens, exchange: see :class:`jax_w4a8.expert_parallel.ExpertParallel`.
     Returns:
       the same model, modified in place.
     """
     check_divisible(model.cfg.n_routed_experts, mesh)
-    ep = ExpertParallel(mesh, dispatch, gather_max_tokens)
+    ep = ExpertParallel(mesh, dispatch, gather_max_tokens, exchange)
     graphdef, state = nnx.split(model)
     flat = [(path, leaf.replace(jax.device_put(leaf[...], placement(mesh, ".".join(map(str, path)), leaf.ndim))))
             for path, leaf in nnx.to_flat_state(state)]
