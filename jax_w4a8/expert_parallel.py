@@ -16,7 +16,9 @@ with routing):
   ``all_to_all`` of fixed-capacity buffers (same layout, same results, more bytes moved).
 
 No token is ever dropped: receive buffers are sized for the worst case (every slot to one device).
-Results equal the single-device layer up to float32 summation order.
+Results equal the single-device layer up to float32 summation order, with one documented exception:
+W4A8 experts with *static* activation scales take the max ``input_scale`` over each device's *local*
+experts (as SPEC section 3 and sglang do under EP), so those numbers depend on the mesh size.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ def _gather_body(x, ids, weights, params, *, experts_fn, num_experts, n):
     order, inverse, sizes = _sort_local(flat % e_local, local, e_local)
     y = experts_fn(params, jnp.take(x, order // k, axis=0), sizes)
     y = jnp.take(y, inverse, axis=0).astype(F32)
-    y = jnp.where(local[:, None], y, 0.0).reshape(tokens, k, -1)  # non-local rows are ignored, never multiplied
+    y = jnp.where(local[:, None], y, 0.0).reshape(tokens, k, y.shape[-1])  # non-local rows ignored, not multiplied
     out = jnp.einsum("nkd,nk->nd", y, weights.astype(F32), precision=jax.lax.Precision.HIGHEST)
     return jax.lax.psum(out, EXPERT_AXIS)
 
@@ -175,7 +177,7 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
     back = _exchange(y, send_offsets=arange_n * cap, send_sizes=recv_sizes, out_offsets=src_offsets,
                      recv_sizes=send_sizes, out_rows=slots, cap=cap, n=n, exchange=exchange)
     y_slots = jnp.take(back, inverse, axis=0).astype(F32)
-    y_slots = jnp.where(slot_valid[:, None], y_slots, 0.0).reshape(t_local, k, -1)
+    y_slots = jnp.where(slot_valid[:, None], y_slots, 0.0).reshape(t_local, k, y_slots.shape[-1])
     out = jnp.einsum("nkd,nk->nd", y_slots, my_w.astype(F32), precision=jax.lax.Precision.HIGHEST)
     return jax.lax.all_gather(out, EXPERT_AXIS, axis=0, tiled=True)[:tokens]
 
@@ -199,6 +201,8 @@ def moe_apply_ep(x, topk_ids, topk_weights, expert_params: Any, experts_fn: Call
     n = ep.size
     if num_experts % n:
         raise ValueError(f"moe_apply_ep: {num_experts} experts do not divide over an expert axis of size {n}")
+    if x.shape[0] == 0:  # nothing to route (collectives reject empty operands)
+        return jnp.zeros(x.shape, out_dtype)
     if ep.strategy(x.shape[0]) == "gather":
         body = _gather_body
     else:

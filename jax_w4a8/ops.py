@@ -75,12 +75,15 @@ def _dispatch(impl, cpu_fn, cuda_fn, ref_fn, *args, default=None):
     if impl == "reference":
         return ref_fn(*args)
     ffi = impl == "ffi"
+    if ffi:  # other platforms get the custom call too, so XLA refuses it there at compile time
+        default = cpu_fn
     return jax.lax.platform_dependent(
         *args,
         cpu=cpu_fn if ffi or ffi_available("cpu") else ref_fn,
         cuda=cuda_fn if ffi or ffi_available("cuda") else ref_fn,
         default=default or ref_fn,
     )
+
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,7 +258,9 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     The contracted size (K or R) must be a multiple of 128; M, N, B, H, D are free.
 
     Scales: float32 multipliers, or UE8M0 codes (uint8 / ``float8_e8m0fnu``) applied as exact powers
-    of two. ``ue8m0=True`` declares float32 scales to be powers of two: they are packed into codes
+    of two. Code 0xFF (the format's NaN) is rejected for concrete arrays and by the CPU handler; under
+    ``jit`` on a GPU codes are not scanned (that would need a host sync), so a 0xFF code there yields
+    NaN like any NaN scale; this library's encoders never produce 0xFF. ``ue8m0=True`` declares float32 scales to be powers of two: they are packed into codes
     with a mask, and any value with sign or mantissa bits is rejected (never turned into NaN).
 
     Args:
@@ -339,6 +344,8 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
     _check_impl(op, impl)
     x = jnp.asarray(x)
     _check_dtype(op, "x", x, [jnp.bfloat16, jnp.float32])
+    if not isinstance(group_size, int) or group_size <= 0:
+        _fail(op, "group_size", f"must be a positive int, got {group_size!r}")
     if x.ndim < 1 or x.shape[-1] == 0 or x.shape[-1] % group_size:
         _fail(op, "x", f"must have its last axis a positive multiple of group_size={group_size}, got {x.shape}")
     ref_fn = functools.partial(quant.quantize_fp8_groups, group_size=group_size, ue8m0=ue8m0)
@@ -357,6 +364,16 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
 # ----------------------------------------------------------------------------------------------
 # Fused MoE up-projection
 # ----------------------------------------------------------------------------------------------
+def _fused_up_supported(num_experts: int) -> bool:
+    """The fused kernel is Hopper-only (wgmma/TMA) and tables at most 1024 experts per call."""
+    if not ffi_available("cuda") or num_experts > 1024:
+        return False
+    try:
+        return str(getattr(jax.devices("gpu")[0], "compute_capability", "")) == "9.0"
+    except RuntimeError:  # no GPU here: lowering for CUDA (export) assumes Hopper
+        return True
+
+
 def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None, impl="auto",
                 rows_per_expert=None, tile_tokens=None):
     """MoE gate+up grouped GEMM fused with SiLU(gate) * up and fp8 quantization for the down projection.
@@ -407,7 +424,7 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     jax.eval_shape(lambda: unfused("reference"))
     if impl == "reference":
         return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale)
-    if inter % 128 or not ffi_available("cuda"):
+    if inter % 128 or not _fused_up_supported(w13.shape[0]):
         return unfused(impl)
     m, k = x.shape
     e = w13.shape[0]

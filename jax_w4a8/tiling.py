@@ -11,7 +11,10 @@ group per pipeline stage. The heuristic:
   expert) reads every weight once with a narrow tile; prefill uses 128 for arithmetic intensity.
 * ``split_k``: when the expected units of work (batches x token tiles x 128-row weight tiles) do
   not fill the GPU's SMs, the K groups are split so that about two units run per SM; partial sums
-  are added in float32 and rounded once at the end.
+  are added in float32 (atomics into a workspace) and rounded once at the end. With three or more
+  splits the order of those additions varies between runs, so outputs can differ in the last bits
+  from run to run (typical at batch-1 decode shapes); plans with ``split_k <= 2`` are bitwise
+  deterministic. A fixed-order reduction is future work.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 

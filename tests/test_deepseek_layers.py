@@ -402,3 +402,22 @@ def test_linear_ue8m0_passes_codes_without_host_check():
     x = jnp.ones((4, 256), jnp.bfloat16)
     text = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v)).lower(state, x).as_text()
     assert "jax_w4a8_fp8_einsum" in text and "jax_w4a8_ue8m0_pack" not in text
+
+
+def test_absorbed_decode_ue8m0_passes_codes():
+    """The absorbed MLA decode products take UE8M0 codes too: no host-checking pack_ue8m0 per step."""
+    from jax_w4a8.models.deepseek import DeepseekConfig, QuantConfig
+    cfg = DeepseekConfig.from_dict(dict(vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                        kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128,
+                                        qk_nope_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                        topk_group=1, first_k_dense_replace=1))
+    mla = layers.MLA(cfg, quant=QuantConfig(linear="fp8", ue8m0=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(mla)
+    q_nope = jnp.ones((1, 1, 2, 128), jnp.bfloat16)
+    q_pe = jnp.ones((1, 1, 2, 64), jnp.bfloat16)
+    c_kv, k_pe = jnp.ones((1, 4, 128), jnp.bfloat16), jnp.ones((1, 4, 64), jnp.bfloat16)
+    mask = jnp.ones((1, 1, 4), bool)
+    fn = jax.jit(lambda s, *a: nnx.merge(graphdef, s).attend_absorbed(*a))
+    text = fn.lower(state, q_nope, q_pe, c_kv, k_pe, mask).as_text()
+    assert "jax_w4a8_fp8_einsum" in text and "jax_w4a8_ue8m0_pack" not in text

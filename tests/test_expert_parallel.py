@@ -91,6 +91,15 @@ def test_bf16_sharded_close(ckpt):
     _check_sharded(ckpt, 4, "auto", jax.devices("cpu"), dtype=jnp.bfloat16, tol=2e-2)
 
 
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_zero_tokens(dispatch):
+    from jax_w4a8.expert_parallel import moe_apply_ep
+    mesh = sharding.make_mesh(2, jax.devices("cpu"))
+    out = moe_apply_ep(jnp.zeros((0, 16)), jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2)), jnp.zeros((4, 1)),
+                       lambda p, x, gs: x, 4, ExpertParallel(mesh, dispatch))
+    assert out.shape == (0, 16)
+
+
 def test_auto_dispatch_by_tokens():
     mesh = sharding.make_mesh(2, jax.devices("cpu"))
     ep = ExpertParallel(mesh, "auto", gather_max_tokens=16)

@@ -196,3 +196,13 @@ def test_every_tile_config_on_gpu(rng, device, tile_tokens, shape):
         fn = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=tile_tokens)
         out = run_poisoned(fn, (m, h, n), jnp.bfloat16, args, device)
         assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)) <= BF16_TOL
+
+
+def test_nan_code_under_jit_is_rejected_by_the_cpu_handler(rng):
+    x8, sx, w8, sw = make_operands(rng, 2, 1, 8, 128, ue8m0=True)
+    codes = np.asarray(quant.encode_ue8m0(sw[0])).copy()
+    codes[0, 0] = 0xFF
+    f = jax.jit(functools.partial(ops.fp8_einsum, "md,nd->mn", impl="ffi"))
+    args = [jax.device_put(a, jax.devices("cpu")[0]) for a in (x8[:, 0], quant.encode_ue8m0(sx[:, 0]), w8[0], codes)]
+    with pytest.raises(Exception, match="w_scale holds UE8M0 code 0xFF"):
+        jax.block_until_ready(f(*args))

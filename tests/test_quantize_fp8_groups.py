@@ -55,5 +55,7 @@ def test_auto_dispatch_and_errors(rng):
         ops.quantize_fp8_groups(x[:, :200])
     with pytest.raises(TypeError, match="'x'"):
         ops.quantize_fp8_groups(x.astype(jnp.int32))
+    with pytest.raises(ValueError, match="'group_size'"):
+        ops.quantize_fp8_groups(x, group_size=0)
     q, s = ops.quantize_fp8_groups(x, group_size=64)  # other group sizes: the reference
     assert s.shape == (4, 4)

@@ -18,6 +18,14 @@ ffi::Error Fp8EinsumCpu(ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer
                         ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> out) {
   Fp8EinsumDims d;
   if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
+  for (const auto* s : {&x_scale, &w_scale}) {  // host memory: a UE8M0 NaN code is cheap to reject here
+    if (s->element_type() == ffi::F32) continue;
+    const auto* c = static_cast<const uint8_t*>(s->untyped_data());
+    for (size_t i = 0; i < s->element_count(); ++i)
+      if (c[i] == 0xFF)
+        return Invalid("fp8_einsum", std::string(s == &x_scale ? "x_scale" : "w_scale") +
+                                         " holds UE8M0 code 0xFF, which is NaN");
+  }
   const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   const int64_t m = d.m, h = d.h, n = d.n, k = d.k, groups = d.groups;

@@ -618,17 +618,20 @@ class MLA(nnx.Module):
         dtype = q_nope.dtype
         b, t, h, dn = q_nope.shape
         ue8m0 = self.kv_b_proj.ue8m0
+        # UE8M0 scales are powers of two by construction (quantizer, load-time check): pass 1-byte codes,
+        # never fp32 scales for the op to re-check on the host every decode step.
+        codes = qlib.encode_ue8m0 if ue8m0 else (lambda v: v)
         fp8 = "w_kT_scale" in a
         if fp8:
             q8, qs = qlib.quantize_fp8_groups(q_nope.reshape(b * t, h, dn), BLOCK, ue8m0)
-            q_lat = ops.fp8_einsum("bhd,hrd->bhr", q8, qs, a["w_kT"], a["w_kT_scale"], out_dtype=dtype, ue8m0=ue8m0)
+            q_lat = ops.fp8_einsum("bhd,hrd->bhr", q8, codes(qs), a["w_kT"], codes(a["w_kT_scale"]), out_dtype=dtype)
             q_lat = q_lat.reshape(b, t, h, -1)
         else:
             q_lat = _einsum_f32("bthd,hrd->bthr", q_nope, a["w_kT"].astype(dtype), dtype).astype(dtype)
         o_lat = mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, c.softmax_scale)
         if fp8:
             o8, os_ = qlib.quantize_fp8_groups(o_lat.reshape(b * t, h, -1), BLOCK, ue8m0)
-            o = ops.fp8_einsum("bhr,hdr->bhd", o8, os_, a["w_v"], a["w_v_scale"], out_dtype=dtype, ue8m0=ue8m0)
+            o = ops.fp8_einsum("bhr,hdr->bhd", o8, codes(os_), a["w_v"], codes(a["w_v_scale"]), out_dtype=dtype)
         else:
             o = _einsum_f32("bthr,hdr->bthd", o_lat, a["w_v"].astype(dtype), dtype).astype(dtype)
         return self.o_proj(o.reshape(b, t, h * c.v_head_dim))
