@@ -33,10 +33,10 @@ inline std::string ShapeStr(ffi::AnyBuffer::Dimensions d) {
 enum class XScaleKind { kTensor, kToken, kGroup };
 
 struct GroupedGemmDims {
-  int64_t m, k, e, n, groups;
-  XScaleKind x_scale_kind;
-  bool w_scale_bf16;
-  bool out_bf16;
+  int64_t m = 0, k = 0, e = 0, n = 0, groups = 0;
+  XScaleKind x_scale_kind = XScaleKind::kGroup;
+  bool w_scale_bf16 = false;
+  bool out_bf16 = false;  // not set by CheckMoeUp (its output is e4m3)
 };
 
 // The inputs shared by w4a8_grouped_gemm and w4a8_moe_up.

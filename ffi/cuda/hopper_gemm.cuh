@@ -12,6 +12,8 @@
 
 #include <cstdint>
 
+#include "../common/checks.h"
+
 namespace jax_w4a8 {
 
 enum class WeightScaleType : int { kF32 = 0, kBf16 = 1, kUe8m0 = 2 };
@@ -55,5 +57,33 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream);
 enum class ActScaleKind : int { kTensorF32, kTokenF32, kGroupF32, kGroupUe8m0 };
 cudaError_t PrepareActivationScales(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
                                     int64_t groups, cudaStream_t stream);
+
+// The int4 grouped-GEMM parameters shared by w4a8_grouped_gemm and w4a8_moe_up (f: output rows per
+// tile family, the intermediate size when fused); the caller sets sx, split_ws and the fused fields.
+inline HopperGemmParams GroupedInt4Params(const GroupedGemmDims& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                                          const ffi::AnyBuffer& w_scale, const ffi::AnyBuffer& group_sizes,
+                                          void* out, int64_t f, int tile_tokens, int split_k) {
+  HopperGemmParams p{};
+  p.x = x.untyped_data();
+  p.w = w.untyped_data();
+  p.w_int4 = true;
+  p.sw = w_scale.untyped_data();
+  p.sw_type = d.w_scale_bf16 ? WeightScaleType::kBf16 : WeightScaleType::kF32;
+  p.sw_rows = d.n;
+  p.sw_row_shift = 0;
+  p.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
+  p.out = out;
+  p.out_bf16 = d.out_bf16;
+  p.m = d.m, p.h = 1, p.f = f, p.k = d.k, p.b = d.e, p.mp = (d.m + 3) / 4 * 4;
+  p.split_k = split_k;
+  p.tile_tokens = tile_tokens;
+  return p;
+}
+
+inline ActScaleKind ActScaleKindOf(XScaleKind kind) {
+  return kind == XScaleKind::kTensor  ? ActScaleKind::kTensorF32
+         : kind == XScaleKind::kToken ? ActScaleKind::kTokenF32
+                                      : ActScaleKind::kGroupF32;
+}
 
 }  // namespace jax_w4a8

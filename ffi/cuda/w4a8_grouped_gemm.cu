@@ -153,20 +153,8 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (d.m == 0) return ffi::Error::Success();
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
 
-  HopperGemmParams p{};
-  p.x = x.untyped_data();
-  p.w = w.untyped_data();
-  p.w_int4 = true;
-  p.sw = w_scale.untyped_data();
-  p.sw_type = d.w_scale_bf16 ? WeightScaleType::kBf16 : WeightScaleType::kF32;
-  p.sw_rows = d.n;
-  p.sw_row_shift = 0;
-  p.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
-  p.out = out->untyped_data();
-  p.out_bf16 = d.out_bf16;
-  p.m = d.m, p.h = 1, p.f = d.n, p.k = d.k, p.b = d.e, p.mp = (d.m + 3) / 4 * 4;
-  p.split_k = split_k;
-  p.tile_tokens = tile_tokens;
+  HopperGemmParams p = GroupedInt4Params(d, x, w, w_scale, group_sizes, out->untyped_data(), d.n, tile_tokens,
+                                         split_k);
   const char* why = nullptr;
   if (!HopperGemmSupported(p, &why)) {  // e.g. not a Hopper GPU: the simple kernel is always correct
     return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
@@ -178,11 +166,8 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   auto* base = static_cast<uint8_t*>(scratch->untyped_data());
   p.sx = reinterpret_cast<const float*>(base);
   p.split_ws = reinterpret_cast<float*>(base + (HopperGemmScratchBytes(d.m, 1, d.n, d.k, 1)));
-  const ActScaleKind kind = d.x_scale_kind == XScaleKind::kTensor ? ActScaleKind::kTensorF32
-                            : d.x_scale_kind == XScaleKind::kToken ? ActScaleKind::kTokenF32
-                                                                   : ActScaleKind::kGroupF32;
-  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(), kind, reinterpret_cast<float*>(base), d.m, 1,
-                                            d.groups, stream);
+  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(), ActScaleKindOf(d.x_scale_kind),
+                                            reinterpret_cast<float*>(base), d.m, 1, d.groups, stream);
   if (err == cudaSuccess) err = LaunchHopperGemm(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("w4a8_grouped_gemm: tensor-core kernel failed: ") + cudaGetErrorString(err));

@@ -23,18 +23,7 @@ ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
                             &inter);
       err.failure())
     return err;
-  HopperGemmParams p{};
-  p.x = x.untyped_data();
-  p.w = w.untyped_data();
-  p.w_int4 = true;
-  p.sw = w_scale.untyped_data();
-  p.sw_type = d.w_scale_bf16 ? WeightScaleType::kBf16 : WeightScaleType::kF32;
-  p.sw_rows = d.n;
-  p.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
-  p.out = h8->untyped_data();
-  p.m = d.m, p.h = 1, p.f = inter, p.k = d.k, p.b = d.e, p.mp = (d.m + 3) / 4 * 4;
-  p.split_k = 1;
-  p.tile_tokens = tile_tokens;
+  HopperGemmParams p = GroupedInt4Params(d, x, w, w_scale, group_sizes, h8->untyped_data(), inter, tile_tokens, 1);
   p.fused_up = true;
   p.up_offset = inter;
   p.down_scale = static_scale ? static_cast<const float*>(down_scale.untyped_data()) : nullptr;
@@ -46,10 +35,8 @@ ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   if (scratch->size_bytes() < need) return Invalid("w4a8_moe_up", "scratch output too small for the tile plan");
   auto* sx = static_cast<float*>(scratch->untyped_data());
   p.sx = sx;
-  const ActScaleKind kind = d.x_scale_kind == XScaleKind::kTensor ? ActScaleKind::kTensorF32
-                            : d.x_scale_kind == XScaleKind::kToken ? ActScaleKind::kTokenF32
-                                                                   : ActScaleKind::kGroupF32;
-  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(), kind, sx, d.m, 1, d.groups, stream);
+  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(), ActScaleKindOf(d.x_scale_kind), sx, d.m, 1,
+                                            d.groups, stream);
   if (err == cudaSuccess && static_scale)
     err = cudaMemcpyAsync(h_scale->untyped_data(), down_scale.untyped_data(), sizeof(float),
                           cudaMemcpyDeviceToDevice, stream);
