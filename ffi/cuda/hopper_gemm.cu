@@ -1,11 +1,13 @@
 // The Hopper tensor-core kernel of ops.w4a8_grouped_gemm and ops.fp8_einsum (see hopper_gemm.cuh).
 //
-// Block of 384 threads, one per SM (persistent):
+// Block of 384 threads, one or two per SM (persistent):
 //   warpgroup 0  producer: one thread issues TMA loads of a weight tile (128 rows x one K group), an
 //                activation tile (tile_tokens rows x 128) and its scales into a ring of stages;
-//   warpgroups 1, 2  consumers, 64 weight rows each: (int4 only) convert their rows to fp8 in shared
-//                memory, run 4 wgmma m64 x n(tile_tokens) x k32 into a fresh fp32 accumulator, then
-//                promote: total += sw(row, g) * sx(g, token) * partial, in fp32.
+//   warpgroups 1, 2  consumers, 64 weight rows each: run 4 wgmma m64 x n(tile_tokens) x k32 into a
+//                fresh fp32 accumulator, then promote: total += sw(row, g) * sx(g, token) * partial, in
+//                fp32. int4 weights are converted to e4m3 in registers, straight into wgmma's A
+//                fragments (no shared-memory round trip, no proxy fence, no barrier); where registers
+//                allow, two groups are in flight per warpgroup (ping-pong accumulators).
 // Units of work (batch, token tile, feature tile, K split) are numbered on the device from
 // group_sizes, so nothing waits for the host and any group_sizes content is safe (clamped as in
 // common/groups.h). With split_k > 1 partial sums go to a zeroed fp32 workspace with atomics and a
@@ -17,6 +19,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cstdint>
 #include <mutex>
 
@@ -50,28 +53,30 @@ struct Layout {
   static constexpr int kSxBox = kTok + 4;
   static constexpr int kSxBytes = (kSxBox * 4 + 127) / 128 * 128;
   static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
-  static constexpr int kABufBytes = kInt4 ? kParts * 2 * 64 * kKGroup : 0;  // fp8 weights per consumer and part
   static constexpr int kRedBytes = kParts == 2 ? 8 * kTok * 4 : 0;  // per-warp token maxima (fused epilogue)
 };
 
 __device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
-  // Four int4 codes (bits 0..15) -> four e4m3 bytes, exactly: two byte-permute lookups (|v| tables
-  // for codes 0..7 and -8..-1) and a sign-driven select.
+  // Four int4 codes (bits 0..15) -> four e4m3 bytes, exactly: two byte-permute lookups by the low
+  // three bits (|v| table for codes 0..7, table for codes -8..-1), then a third permute that takes
+  // byte i from the second table where code i is negative (selector nibble i + 4 * sign_i).
   const uint32_t idx = nibbles & 0x7777u;
-  uint32_t pos, neg, mask;
+  uint32_t pos, neg, out;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos) : "r"(0x44403800u), "r"(0x4E4C4A48u), "r"(idx));
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg) : "r"(0xCACCCED0u), "r"(0xB8C0C4C8u), "r"(idx));
-  const uint32_t sign = (nibbles >> 3) & 0x1111u;
-  const uint32_t sel = sign | (sign << 3);  // selector 9 (sign-replicate byte 1 = 0x80) or 0 (byte 0 = 0)
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(mask) : "r"(0x00008000u), "r"(0u), "r"(sel));
-  return (neg & mask) | (pos & ~mask);
+  const uint32_t sel = ((nibbles >> 1) & 0x4444u) | 0x3210u;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(pos), "r"(neg), "r"(sel));
+  return out;
 }
 
-__device__ __forceinline__ float LoadWeightScale(const HopperGemmParams& p, int64_t b, int64_t f, int64_t g,
-                                                 int64_t groups) {
+// Index of weight scale (b, row f, group 0); group g is at + g. Rows past the weights clamp.
+__device__ __forceinline__ int64_t WeightScaleBase(const HopperGemmParams& p, int64_t b, int64_t f, int64_t groups) {
   const int64_t rows = p.fused_up ? p.f + p.up_offset : p.f;  // fused: gate rows, then up rows
   f = f < rows ? f : rows - 1;
-  const int64_t idx = (b * p.sw_rows + (f >> p.sw_row_shift)) * groups + g;
+  return (b * p.sw_rows + (f >> p.sw_row_shift)) * groups;
+}
+
+__device__ __forceinline__ float LoadWeightScale(const HopperGemmParams& p, int64_t idx) {
   switch (p.sw_type) {
     case WeightScaleType::kF32: return __ldg(static_cast<const float*>(p.sw) + idx);
     case WeightScaleType::kBf16: return Bf16BitsToFloat(__ldg(static_cast<const uint16_t*>(p.sw) + idx));
@@ -171,6 +176,14 @@ __device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t
   else sm90::WgmmaE4m3N128(d, a, b, scale_d);
 }
 
+template <int kTok>
+__device__ __forceinline__ void WgmmaRs(float (&d)[kTok / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+  if constexpr (kTok == 16) sm90::WgmmaE4m3RsN16(d, a, b, scale_d);
+  else if constexpr (kTok == 32) sm90::WgmmaE4m3RsN32(d, a, b, scale_d);
+  else if constexpr (kTok == 64) sm90::WgmmaE4m3RsN64(d, a, b, scale_d);
+  else sm90::WgmmaE4m3RsN128(d, a, b, scale_d);
+}
+
 __device__ __forceinline__ float CeilUe8m0(float x) {
   const uint32_t b = __float_as_uint(x);
   uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
@@ -228,15 +241,25 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
 }
 
 // Narrow token tiles (decode) are latency-bound per group: run two blocks per SM there.
-template <int kTok>
+template <int kTok, int kParts>
 struct Occupancy {
-  static constexpr int kBlocksPerSm = kTok <= 32 ? 2 : 1;
-  static constexpr uint32_t kProducerRegs = kBlocksPerSm == 2 ? 24 : 40;
+  static constexpr int kBlocksPerSm = kTok * kParts <= 32 ? 2 : 1;
+  // setmaxnreg moves registers within the block's launch allocation (384 x 80 at two blocks per SM).
+  static constexpr uint32_t kProducerRegs = kBlocksPerSm == 2 ? 32 : 40;
   static constexpr uint32_t kConsumerRegs = kBlocksPerSm == 2 ? 104 : 232;
 };
 
+// Groups in flight per consumer warpgroup: two (the next group's operand is built and its MMAs issued
+// while the current one runs) where the second accumulator and A fragments fit the register budget.
 template <int kTok, bool kInt4, int kParts>
-__global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
+struct Pipeline {
+  // Registers of two slots: accumulators, running total and (int4) A fragments.
+  static constexpr int kRegs = 3 * kParts * (kTok / 2) + (kInt4 ? 2 * kParts * 16 : 0);
+  static constexpr int kDepth = kRegs <= (Occupancy<kTok, kParts>::kBlocksPerSm == 2 ? 56 : 160) ? 2 : 1;
+};
+
+template <int kTok, bool kInt4, int kParts>
+__global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
   using L = Layout<kTok, kInt4, kParts>;
@@ -247,8 +270,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint8_t* abuf = smem + static_cast<size_t>(stages) * L::kStageBytes;
-  uint64_t* full = reinterpret_cast<uint64_t*>(abuf + L::kABufBytes);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + static_cast<size_t>(stages) * L::kStageBytes);
   uint64_t* empty = full + stages;
   UnitTable table;
   table.nb = static_cast<int>(p.b) + ((p.group_sizes != nullptr && p.split_k == 1) ? 1 : 0);
@@ -276,7 +298,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
 
   if (wg == 0) {
     // ------------------------------------------------------------------------------- producer
-    sm90::ReleaseNReg<Occupancy<kTok>::kProducerRegs>();
+    sm90::ReleaseNReg<Occupancy<kTok, kParts>::kProducerRegs>();
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;
@@ -303,15 +325,21 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
   }
 
   // --------------------------------------------------------------------------------- consumers
-  sm90::SetMaxNReg<Occupancy<kTok>::kConsumerRegs>();
+  sm90::SetMaxNReg<Occupancy<kTok, kParts>::kConsumerRegs>();
+  constexpr int kPipe = Pipeline<kTok, kInt4, kParts>::kDepth;
   const int cw = wg - 1;                 // consumer warpgroup: weight rows [64 cw, 64 cw + 64)
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
+  const int frag_row = cw * 64 + warp * 16 + lane / 4;  // this thread's A rows in the tile: +0 and +8
+  // int4 tile rows are 64 bytes (one K group) with TMA's 64-byte swizzle: 16-byte chunk c of row r sits
+  // at chunk c ^ ((r / 2) % 4), which makes the fragment loads below bank-conflict free.
+  const uint32_t frag_swz = static_cast<uint32_t>((frag_row >> 1) & 3);
+  const uint32_t nib_sel = static_cast<uint32_t>(2 * (lane % 4)) | (static_cast<uint32_t>(2 * (lane % 4) + 1) << 4);
   int stage = 0;
   uint32_t phase = 0;
   for (int64_t u = blockIdx.x; u < total_units; u += gridDim.x) {
     const Unit t = DecodeUnit<kTok>(p, table, u, feat_tiles, groups);
-    const int64_t row0 = t.f0 + cw * 64 + warp * 16 + lane / 4;  // this thread's rows: row0, row0 + 8
+    const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
     float total[kParts][kTok / 2];
 #pragma unroll
     for (int part = 0; part < kParts; ++part)
@@ -319,73 +347,124 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok>::kBlocksPerSm)
       for (int i = 0; i < kTok / 2; ++i) total[part][i] = 0.0f;
 
     const int64_t g_begin = t.zero ? t.g1 : t.g0;
-    float next_sw[kParts][2] = {};  // weight scales of rows row0 and row0 + 8, loaded one group ahead
+    // Weight scales of rows row0 and row0 + 8 per pipeline slot; the next group's are loaded one ahead.
+    float next_sw[kParts][2] = {};
+    float sw[kPipe][kParts][2];
+    float acc[kPipe][kParts][kTok / 2];
+    uint32_t afrag[kPipe][kParts][4][4];  // int4 path: this thread's e4m3 A fragments, 4 K steps of 32
+    int slot_stage[kPipe];
+    int64_t sw_base[kParts][2];
+#pragma unroll
+    for (int part = 0; part < kParts; ++part) {
+      sw_base[part][0] = WeightScaleBase(p, t.b, row0 + part * p.up_offset, groups);
+      sw_base[part][1] = WeightScaleBase(p, t.b, row0 + 8 + part * p.up_offset, groups);
+    }
     auto load_scales = [&](int64_t g) {
 #pragma unroll
       for (int part = 0; part < kParts; ++part) {
-        next_sw[part][0] = LoadWeightScale(p, t.b, row0 + part * p.up_offset, g, groups);
-        next_sw[part][1] = LoadWeightScale(p, t.b, row0 + 8 + part * p.up_offset, g, groups);
+        next_sw[part][0] = LoadWeightScale(p, sw_base[part][0] + g);
+        next_sw[part][1] = LoadWeightScale(p, sw_base[part][1] + g);
       }
     };
     if (g_begin < t.g1) load_scales(g_begin);
-    for (int64_t g = g_begin; g < t.g1; ++g) {
-      float sw[kParts][2];
+
+    // Wait for group g's stage, build the A operand and issue its MMAs into slot S (asynchronously).
+    auto issue = [&](auto slot, int64_t g) {
+      constexpr int S = decltype(slot)::value;
 #pragma unroll
-      for (int part = 0; part < kParts; ++part) sw[part][0] = next_sw[part][0], sw[part][1] = next_sw[part][1];
+      for (int part = 0; part < kParts; ++part) sw[S][part][0] = next_sw[part][0], sw[S][part][1] = next_sw[part][1];
+      load_scales(min(g + 1, t.g1 - 1));
       sm90::MbarWait(&full[stage], phase);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
-      const uint8_t* a_tile[kParts];
+      const uint8_t* x_tile = st + L::kWBytes;
+      slot_stage[S] = stage;
+      if (++stage == stages) { stage = 0; phase ^= 1; }
       if constexpr (kInt4) {
-        // int4 rows [64 cw, 64 cw + 64) of each part -> fp8, stored K-major with the 128-byte swizzle
-        // that wgmma reads.
+        // int4 -> e4m3 straight into the wgmma A fragments: per K step one 16-byte chunk of each of the
+        // two rows; bytes 2c, 2c + 1 of each 8-byte half are this thread's 4 + 4 codes.
 #pragma unroll
         for (int part = 0; part < kParts; ++part) {
-          uint8_t* dst = abuf + (cw * kParts + part) * 64 * kKGroup;
-          const uint32_t src = sm90::SmemAddr(st + part * L::kWPartBytes + cw * 64 * (kKGroup / 2));
-          const uint32_t dst_addr = sm90::SmemAddr(dst);
+          const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_row * 64;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int job = tid + 128 * i;          // 64 rows x 8 chunks of 16 codes
-            const int r = job / 8, c = job % 8;
-            const uint2 q = sm90::LdShared64(src + r * 64 + c * 8);
-            uint4 v;
-            v.x = Int4x4ToE4m3(q.x);
-            v.y = Int4x4ToE4m3(q.x >> 16);
-            v.z = Int4x4ToE4m3(q.y);
-            v.w = Int4x4ToE4m3(q.y >> 16);
-            sm90::StShared128(dst_addr + r * 128 + ((c ^ (r % 8)) * 16), v);
+          for (int kc = 0; kc < 4; ++kc) {
+            const uint32_t off = (static_cast<uint32_t>(kc) ^ frag_swz) * 16;
+            const uint4 qa = sm90::LdShared128(base + off);
+            const uint4 qb = sm90::LdShared128(base + 8 * 64 + off);
+            afrag[S][part][kc][0] = Int4x4ToE4m3(__byte_perm(qa.x, qa.y, nib_sel));
+            afrag[S][part][kc][1] = Int4x4ToE4m3(__byte_perm(qb.x, qb.y, nib_sel));
+            afrag[S][part][kc][2] = Int4x4ToE4m3(__byte_perm(qa.z, qa.w, nib_sel));
+            afrag[S][part][kc][3] = Int4x4ToE4m3(__byte_perm(qb.z, qb.w, nib_sel));
           }
-          a_tile[part] = dst;
         }
-        sm90::FenceProxyAsyncShared();
-        sm90::NamedBarrierSync(1 + cw, 128);
-      } else {
-#pragma unroll
-        for (int part = 0; part < kParts; ++part) a_tile[part] = st + part * L::kWPartBytes + cw * 64 * kKGroup;
       }
-      const uint8_t* x_tile = st + L::kWBytes;
-      float acc[kParts][kTok / 2];
       sm90::WgmmaFence();
 #pragma unroll
       for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
-        for (int part = 0; part < kParts; ++part)
-          Wgmma<kTok>(acc[part], sm90::DescSw128(a_tile[part], kc * 32), sm90::DescSw128(x_tile, kc * 32), kc > 0);
+        for (int part = 0; part < kParts; ++part) {
+          const uint64_t desc_x = sm90::DescSw128(x_tile, kc * 32);
+          if constexpr (kInt4) {
+            WgmmaRs<kTok>(acc[S][part], afrag[S][part][kc], desc_x, kc > 0);
+          } else {
+            Wgmma<kTok>(acc[S][part], sm90::DescSw128(st + part * L::kWPartBytes + cw * 64 * kKGroup, kc * 32),
+                        desc_x, kc > 0);
+          }
+        }
       sm90::WgmmaCommit();
-      if (g + 1 < t.g1) load_scales(g + 1);
-      sm90::WgmmaWait<0>();
-      const float* sx = reinterpret_cast<const float*>(st + L::kWBytes + L::kXBytes) + (t.m0 & 3);
+    };
+    // Promote the finished group in slot S: total += sw * sx * partial in fp32; free its stage.
+    auto retire = [&](auto slot) {
+      constexpr int S = decltype(slot)::value;
+      const uint32_t sx = sm90::SmemAddr(smem + static_cast<size_t>(slot_stage[S]) * L::kStageBytes + L::kWBytes +
+                                         L::kXBytes) + 4 * static_cast<uint32_t>((t.m0 & 3) + 2 * (lane % 4));
+      // This thread's tokens: 8 j + 2 (lane % 4) + {0, 1}, j < kTok / 8; rows row0 and row0 + 8.
+      float ssw[kParts][2][kTok / 4];  // sw(row) * sx(token), one product per (row, token)
+#pragma unroll
+      for (int j = 0; j < kTok / 4; ++j) {
+        const float a = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) {
+          ssw[part][0][j] = sw[S][part][0] * a;
+          // 128-row scale blocks (block-scaled einsum): both rows share one scale, so one product.
+          ssw[part][1][j] = p.sw_row_shift == 7 ? ssw[part][0][j] : sw[S][part][1] * a;
+        }
+      }
 #pragma unroll
       for (int i = 0; i < kTok / 2; ++i) {
-        const float a = sx[8 * (i / 4) + 2 * (lane % 4) + (i % 2)];
+        const int j = 2 * (i / 4) + (i % 2);
 #pragma unroll
         for (int part = 0; part < kParts; ++part)
-          total[part][i] = fmaf(sw[part][(i / 2) % 2] * a, acc[part][i], total[part][i]);
+          total[part][i] = fmaf(ssw[part][(i / 2) % 2][j], acc[S][part][i], total[part][i]);
       }
       __syncwarp();
-      if (lane == 0) sm90::MbarArrive(&empty[stage]);
-      if constexpr (kInt4) sm90::NamedBarrierSync(1 + cw, 128);  // abuf free before the next conversion
-      if (++stage == stages) { stage = 0; phase ^= 1; }
+      sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
+    };
+    using Slot0 = std::integral_constant<int, 0>;
+    if constexpr (kPipe == 1) {
+      for (int64_t g = g_begin; g < t.g1; ++g) {
+        issue(Slot0{}, g);
+        sm90::WgmmaWait<0>();
+        retire(Slot0{});
+      }
+    } else {
+      // Groups in pairs: group g + 1's A operand is built and its MMAs issued while group g's run, and
+      // group g is promoted while g + 1's run. Nothing is in flight across a loop edge (ptxas would
+      // otherwise serialize every wgmma).
+      using Slot1 = std::integral_constant<int, kPipe - 1>;
+      int64_t g = g_begin;
+      for (; g + 1 < t.g1; g += 2) {
+        issue(Slot0{}, g);
+        issue(Slot1{}, g + 1);
+        sm90::WgmmaWait<1>();
+        retire(Slot0{});
+        sm90::WgmmaWait<0>();
+        retire(Slot1{});
+      }
+      if (g < t.g1) {
+        issue(Slot0{}, g);
+        sm90::WgmmaWait<0>();
+        retire(Slot0{});
+      }
     }
 
     if constexpr (kParts == 2) {
@@ -492,8 +571,8 @@ template <int kTok, bool kInt4, int kParts>
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   using L = Layout<kTok, kInt4, kParts>;
   const int64_t nb = p.b + 1;
-  const size_t fixed = L::kABufBytes + 1024 + TableBytes(nb) + 16 + L::kRedBytes;
-  constexpr int kBlocks = Occupancy<kTok>::kBlocksPerSm;
+  const size_t fixed = 1024 + TableBytes(nb) + 16 + L::kRedBytes;
+  constexpr int kBlocks = Occupancy<kTok, kParts>::kBlocksPerSm;
   const size_t budget = std::min(kSmemBudget / kBlocks - (kBlocks - 1) * 2048, dev.smem_optin);
   int stages = static_cast<int>((budget - fixed - 16 * 8) / (L::kStageBytes + 16));
   stages = std::max(2, std::min(stages, 8));
@@ -504,7 +583,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   const int64_t kb = kInt4 ? p.k / 2 : p.k;
   const int64_t w_rows = p.fused_up ? p.f + p.up_offset : p.f;
   bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, w_rows, p.b, kInt4 ? kKGroup / 2 : kKGroup,
-                     kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B);
+                     kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
   ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.x, p.k, p.h, p.m, kKGroup, 1, kTok,
                       CU_TENSOR_MAP_SWIZZLE_128B);
   ok = ok && Encode3d(&map_sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.sx, p.mp, p.h, p.k / kKGroup, L::kSxBox, 1, 1,
