@@ -6,15 +6,21 @@ The Hopper kernel (``ffi/cuda/hopper_gemm.cu``) runs "swap AB": 128 weight rows 
 64) on the wide side of the MMA and ``tile_tokens`` activation rows on the narrow side, one 128-wide K
 group per pipeline stage. The heuristic:
 
-* ``tile_tokens``: the smallest of 16, 32, 64, 128 that holds the expected rows of one batch (an
-  expert of the grouped GEMM, or all M rows of a head of the einsum). Decode (a few rows per
-  expert) reads every weight once with a narrow tile; prefill uses 128 for arithmetic intensity.
-* ``split_k``: when the expected units of work (batches x token tiles x 128-row weight tiles) do
-  not fill the GPU's SMs, the K groups are split so that about two units run per SM; partial sums
-  are added in float32 (atomics into a workspace) and rounded once at the end. With three or more
-  splits the order of those additions varies between runs, so outputs can differ in the last bits
-  from run to run (typical at batch-1 decode shapes); plans with ``split_k <= 2`` are bitwise
-  deterministic. A fixed-order reduction is future work.
+* ``tile_tokens``: the smallest of 16, 32, 64, 128 that holds the rows of one batch: all M rows of
+  a head of the einsum, or for the grouped GEMM the expected rows of an expert plus two standard
+  deviations of routing spread (``r + 2 sqrt(r)``, Poisson-like). An expert whose rows overflow
+  the tile gets a second token tile, which reads all of its weights again: at decode that costs
+  far more than a wider MMA (16 rows per expert: tile 32, not 16). Prefill uses 128 for arithmetic
+  intensity.
+* ``split_k``: when the expected units of work (batches with rows x token tiles x 128-row weight
+  tiles; at batch-1 decode only ~top-k experts of the grouped GEMM have rows) do not fill the GPU,
+  the K groups are split so that about two units run per SM. (Splitting in two to fill the last
+  wave better was tried at 64 rows over 32 experts: the kernel alone ran 13% faster under ncu, but
+  the whole call, with the workspace clear and the rounding pass, was not faster; not used.)
+  Partial sums are added in float32 (atomics into a workspace) and rounded once at the end. With three or more splits the order of those additions varies
+  between runs, so outputs can differ in the last bits from run to run (typical at batch-1 decode
+  shapes); plans with ``split_k <= 2`` are bitwise deterministic. A fixed-order reduction is
+  future work.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 
@@ -50,18 +56,25 @@ def _num_sms() -> int:
         return _DEFAULT_SMS
 
 
+def _tile_for(rows: float, spread: bool) -> int:
+    need = rows + 2.0 * math.sqrt(rows) if spread else rows
+    return next((t for t in TILE_TOKENS if need <= t), TILE_TOKENS[-1])
+
+
 def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens: int | None,
-          num_sms: int | None) -> GemmPlan:
+          num_sms: int | None, *, spread: bool = False, busy: float | None = None) -> GemmPlan:
     groups = k // 128
     if tile_tokens is None:
-        tile_tokens = next((t for t in TILE_TOKENS if rows <= t), TILE_TOKENS[-1])
+        tile_tokens = _tile_for(rows, spread)
     if tile_tokens not in (0,) + TILE_TOKENS:
         raise ValueError(f"argument 'tile_tokens' must be None, 0 or one of {TILE_TOKENS}, got {tile_tokens!r}")
     if tile_tokens == 0:
         return GemmPlan(0, 1, 0, 0)
     sms = num_sms or _num_sms()
+    busy = batches if busy is None else busy  # batches with rows (expected)
     units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
-    split = 1 if units >= sms else max(1, min(math.ceil(2 * sms / units), groups, 16))
+    work = busy * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
+    split = 1 if work >= sms else max(1, min(math.ceil(2 * sms / max(work, 1)), groups, 16))
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
     if split > 1:
@@ -69,11 +82,17 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     return GemmPlan(tile_tokens, split, scratch, units)
 
 
+def _busy_experts(m: int, e: int) -> float:
+    """Expected experts with at least one of m rows routed uniformly."""
+    return e * (1.0 - (1.0 - 1.0 / e) ** m) if e > 0 else 0.0
+
+
 def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None,
                       tile_tokens: int | None = None, num_sms: int | None = None) -> GemmPlan:
     """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E."""
     rows = rows_per_expert if rows_per_expert is not None else m / e
-    return _plan(m, 1, n, k, e, rows, tile_tokens, num_sms)
+    busy = e if rows_per_expert is not None else _busy_experts(m, e)
+    return _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy)
 
 
 def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | None = None,
@@ -81,8 +100,7 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
     """Plan for the fused ``w4a8_moe_up`` (gate and up accumulators: token tiles up to 64, no split-K)."""
     rows = rows_per_expert if rows_per_expert is not None else m / e
     if tile_tokens is None:
-        tile_tokens = next((t for t in TILE_TOKENS if rows <= t), 64)
-        tile_tokens = min(tile_tokens, 64)
+        tile_tokens = min(_tile_for(rows, spread=True), 64)
     if tile_tokens not in TILE_TOKENS[:3]:
         raise ValueError(f"argument 'tile_tokens' must be None, 16, 32 or 64 for the fused kernel, got {tile_tokens!r}")
     plan = _plan(m, 1, inter, k, e, rows, tile_tokens, num_sms)

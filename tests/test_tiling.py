@@ -1,0 +1,66 @@
+"""The static tile plan (jax_w4a8.tiling): the choices the module docstring promises."""
+
+import math
+
+import numpy as np
+import pytest
+
+from jax_w4a8 import tiling
+
+SMS = 132
+
+
+def test_decode_tile_covers_routing_spread():
+    # 16 rows per expert on average: about 40% of experts get more than 16, so a 16-row tile would
+    # read their weights twice; the plan takes 32.
+    assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS).tile_tokens == 32
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).tile_tokens == 16
+    assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS).tile_tokens == 128
+    # An explicit hint is the expected count; the spread is still covered.
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, rows_per_expert=30, num_sms=SMS).tile_tokens == 64
+    # The einsum knows its rows exactly: no spread.
+    assert tiling.plan_fp8_einsum(16, 1, 7168, 7168, num_sms=SMS).tile_tokens == 16
+    assert tiling.plan_fp8_einsum(17, 1, 7168, 7168, num_sms=SMS).tile_tokens == 32
+
+
+@pytest.mark.parametrize("m", [64, 256, 512, 4096])
+def test_tile_holds_most_experts_rows(m):
+    # Under uniform multinomial routing, few experts overflow the chosen tile.
+    plan = tiling.plan_grouped_gemm(m, 32, 4096, 7168, num_sms=SMS)
+    sizes = np.random.default_rng(0).multinomial(m, np.ones(32) / 32, size=200)
+    if plan.tile_tokens < 128:
+        assert (sizes > plan.tile_tokens).mean() < 0.05
+
+
+def test_batch_one_decode_splits_k():
+    # One token, top-8: about one expert of 32 busy -> 32 units; K is split to fill the GPU.
+    plan = tiling.plan_grouped_gemm(1, 32, 4096, 7168, num_sms=SMS)
+    assert plan.split_k > 4
+    assert plan.scratch_bytes >= 1 * 4096 * 4  # the fp32 split-K workspace
+
+
+def test_no_split_once_the_gpu_is_full():
+    # 64 rows over 32 experts: ~28 busy experts x 32 feature tiles = ~890 units: no split.
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).split_k == 1
+    assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS).split_k == 1
+    # Too few units for the SMs: split, at most the number of K groups.
+    plan = tiling.plan_grouped_gemm(2, 32, 512, 1024, num_sms=SMS)
+    assert 1 < plan.split_k <= 1024 // 128
+
+
+def test_split_never_exceeds_groups():
+    for k in (128, 256, 512):
+        plan = tiling.plan_fp8_einsum(1, 1, 576, k, num_sms=SMS)
+        assert 1 <= plan.split_k <= k // 128
+
+
+def test_busy_experts_matches_simulation():
+    sizes = np.random.default_rng(1).multinomial(64, np.ones(32) / 32, size=2000)
+    assert math.isclose(tiling._busy_experts(64, 32), (sizes > 0).sum(1).mean(), rel_tol=0.02)
+
+
+def test_fused_plan_caps_tile_and_never_splits():
+    plan = tiling.plan_moe_up(16384, 32, 2048, 7168, num_sms=SMS)
+    assert plan.tile_tokens == 64 and plan.split_k == 1
+    with pytest.raises(ValueError, match="tile_tokens"):
+        tiling.plan_moe_up(64, 32, 2048, 7168, tile_tokens=128)
