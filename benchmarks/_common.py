@@ -58,7 +58,7 @@ def _unrolled(fn, n_sets, n):
         acc = jnp.float32(0)
         for i in range(n):
             args, acc = jax.lax.optimization_barrier((sets[i % n_sets], acc))
-            out = fn(*args)
+            out = jax.lax.optimization_barrier(fn(*args))  # XLA may not shrink the op to what is read
             leaf = jax.tree_util.tree_leaves(out)[0]
             acc = acc + leaf.reshape(-1)[0].astype(jnp.float32)
         return acc

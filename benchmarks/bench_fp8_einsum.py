@@ -148,7 +148,7 @@ def report(payload):
                 d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x"
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
-            f"`python benchmarks/bench_fp8_einsum.py`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
+            f"`{payload.get('command', 'python benchmarks/bench_fp8_einsum.py')}`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
             "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours.\n\n"
             + C.md_table(md, cols) + "\n")
     C.update_results_section("FP8 block-scaled einsum (DeepSeek-V3 linears, per-head products)", body)
@@ -166,6 +166,7 @@ def main():
         return
     out = C.out_dir(args.out)
     payload = run(args)
+    payload["command"] = "python benchmarks/bench_fp8_einsum.py " + " ".join(sys.argv[1:])
     C.save_json(out / "fp8_einsum.json", payload)
 
 

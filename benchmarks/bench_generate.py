@@ -23,12 +23,16 @@ Measured, through :class:`jax_w4a8.models.deepseek.generate.Generator` (the code
   (wall clock of a run of back-to-back steps, dispatched from Python as generate() does) and tokens/s.
 
 Prints a table; writes ``generate.json`` to ``--out`` (default ``$OUT``, else ``benchmarks/out``) after
-every variant; ``--results`` also rewrites the ``generate`` section of benchmarks/RESULTS.md.
+every variant; ``--results`` also rewrites the ``generate`` section of benchmarks/RESULTS.md, and
+``--report a.json b.json ...`` rewrites it from the JSON of several runs (one process per variant).
 
-Seen on the H200 (2026-11-30, jax 0.11.2): compiling the Pallas variant at these shapes crashed the
-process inside Mosaic GPU's LLVM lowering (InstCombine), which lost the whole run's output; rows are now
-saved after each variant, and ``--variants w4a8 bf16_ragged_dot`` then ``--variants bf16_pallas`` runs
-them apart.
+Seen on the H200 (2026-11-30, jax 0.11.2): one process per variant is the robust way. With three layers
+in one process, the bf16 variants failed in XLA's autotuner (out of memory next to the 70 GB model); with
+two layers XLA's ``ragged_dot`` prefill still asks its autotuner for 42 GiB (1024 tokens) and 112 GiB
+(4096 tokens) and fails, while its decode runs. In an earlier session, compiling the Pallas variant in
+the same process as the others crashed inside Mosaic GPU's LLVM lowering; run on its own it compiles.
+On two GPUs, two variants can run at once: ``CUDA_VISIBLE_DEVICES=0 ... --variants w4a8 & CUDA_VISIBLE_DEVICES=1
+... --variants bf16_ragged_dot``.
 """
 
 from __future__ import annotations
@@ -299,6 +303,41 @@ def _free(model):
             leaf.delete()
 
 
+def _command(a) -> str:
+    parts = [f"--layers {a['layers']}", "--variants " + " ".join(a["variants"])]
+    if a.get("prefill") != [1024, 4096]:
+        parts.append("--prefill " + " ".join(map(str, a.get("prefill") or [])))
+    if a.get("batches") != [1, 16, 64]:
+        parts.append("--batches " + " ".join(map(str, a.get("batches") or [])))
+    return "python benchmarks/bench_generate.py " + " ".join(parts)
+
+
+def report(payloads):
+    """Merges the rows of several runs (same model config) into the RESULTS.md section."""
+    cfgs = {json.dumps(p["config"], sort_keys=True) for p in payloads}
+    if len(cfgs) != 1:
+        raise SystemExit("--report: the runs used different model configs")
+    rows = [r for p in payloads for r in p["rows"]]
+    summary = summarize(rows)
+    cols = []
+    for s in summary:
+        cols += [c for c in s if c not in cols]
+    first = payloads[0]
+    cfg = first["config"]
+    errors = sorted({(r["model"], r["phase"], r["error"].split("\n")[0][:120]) for r in rows if "error" in r})
+    body = (f"Measured {first.get('date')} on {first.get('device')} (jax {first.get('jax')}), one process per "
+            f"run: " + "; ".join(f"`{_command(p['args'])}`" for p in payloads) + ". DeepSeek-V3 widths, "
+            f"{cfg['num_hidden_layers']} MoE layers (256 experts of 2048, top-8), random weights; prefill at "
+            f"batch 1, decode with {first['args']['context']} cached tokens, {first['args']['steps']} timed steps "
+            f"dispatched from Python as generate() does. Pallas: {json.dumps(first.get('pallas', PALLAS_CFG))}."
+            "\n\n" + C.md_table(summary, cols) + "\n")
+    if errors:
+        body += "\nFailed cells:\n" + "".join(f"* {m} {ph}: {e}\n" for m, ph, e in errors)
+    C.update_results_section(SECTION, body)
+    print(C.fmt_table(summary, cols))
+    return 0
+
+
 def summarize(rows):
     """Per phase and size: each model's tokens/s and W4A8's speed-up over the faster bf16 variant."""
     out = []
@@ -330,7 +369,11 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
     p.add_argument("--out")
     p.add_argument("--results", action="store_true", help="rewrite the section in benchmarks/RESULTS.md")
+    p.add_argument("--report", nargs="+", metavar="JSON",
+                   help="rewrite the RESULTS.md section from generate.json files of separate runs, then exit")
     args = p.parse_args(argv)
+    if args.report:
+        return report([json.loads(pathlib.Path(f).read_text()) for f in args.report])
 
     import jax
     import jax.numpy as jnp

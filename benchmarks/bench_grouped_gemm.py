@@ -17,6 +17,7 @@ import argparse
 import functools
 import json
 import pathlib
+import re
 import sys
 
 import numpy as np
@@ -82,6 +83,10 @@ def run(args):
             flops, wbytes = 2 * m * n * k, E * n * k // 2
             r.update(ours_us=t * 1e6, TFLOPs=flops / t / 1e12, weight_GBps=wbytes / t / 1e9,
                      frac_copy_bw=wbytes / t / bw)
+            for alt in args.tiles:  # the tile heuristic's alternatives, same data (see jax_w4a8.tiling)
+                if alt != plan.tile_tokens:
+                    f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, tile_tokens=alt))
+                    r[f"t{alt}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
             peers = {}
             if args.peers != "none":
                 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as pm
@@ -124,7 +129,8 @@ def run(args):
             rows.append(r)
             print(fmt_row(r), flush=True)
         del w4, ws, wb, w8t, wi4
-    return dict(copy_bw=bw, copy_bw_detail=bw_detail, rows=rows)
+    return dict(copy_bw=bw, copy_bw_detail=bw_detail, rows=rows,
+                command="python benchmarks/bench_grouped_gemm.py " + " ".join(sys.argv[1:]))
 
 
 def _unfused_up(ops, x8, xs, w, s, sizes, inter):
@@ -169,15 +175,16 @@ def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
     fused = (f" | fused up {r['fused_up_us']:.0f} us vs unfused {r['unfused_up_us']:.0f} us"
              if "fused_up_us" in r else "")
+    tiles = "".join(f" | {k[:-3]} {v:.0f} us" for k, v in r.items() if re.fullmatch(r"t\d+_us", k))
     return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
-            f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}")
+            f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}{tiles}")
 
 
 def report(payload, out):
     rows = payload["rows"]
     cols = (["shape", "M", "routing", "plan", "us", "TFLOP/s", "weight GB/s", "% copy BW"] + [f"vs {p}" for p in PEERS]
-            + ["fused up-proj us (unfused)"])
+            + ["fused up-proj us (unfused)", "other token tiles us"])
     md = []
     for r in rows:
         d = {"shape": r["shape"], "M": r["M"], "routing": r["routing"], "plan": r["plan"],
@@ -188,11 +195,13 @@ def report(payload, out):
                 d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x ({r[f'{p}_us']:.0f} us)"
         if "fused_up_us" in r:
             d["fused up-proj us (unfused)"] = f"{r['fused_up_us']:.0f} ({r['unfused_up_us']:.0f})"
+        d["other token tiles us"] = " ".join(f"{k[:-3]}: {v:.0f}" for k, v in r.items() if re.fullmatch(r"t\d+_us", k))
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
-            f"`python benchmarks/bench_grouped_gemm.py`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
-            "32 experts; `vs X` is X's time over ours (higher is better for us); plan = token tile / split-K "
-            "from `jax_w4a8.tiling`.\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
+            f"`{payload.get('command', 'python benchmarks/bench_grouped_gemm.py')}`; copy bandwidth "
+            f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; `vs X` is X's time over ours (higher is better for "
+            "us); plan = token tile / split-K from `jax_w4a8.tiling`; other token tiles: the same call forced to "
+            "another tile (the heuristic's alternatives).\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
     C.update_results_section("W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1)", body)
     plot(payload, C.HERE / "grouped_gemm.png")
     if out:
@@ -233,6 +242,8 @@ def main():
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--peers", choices=["all", "fast", "none"], default="all",
                    help="fast: Pallas and torch only (XLA ragged_dot runs ~24 TFLOP/s and takes long)")
+    p.add_argument("--tiles", type=int, nargs="*", default=[], choices=[16, 32, 64, 128],
+                   help="also time these token tiles for every case (the tile heuristic's alternatives)")
     p.add_argument("--out", help="folder for JSON and PNG (default $OUT or benchmarks/out)")
     p.add_argument("--report", help="rewrite RESULTS.md and the plot from this JSON instead of measuring")
     args = p.parse_args()
