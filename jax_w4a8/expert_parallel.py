@@ -10,10 +10,14 @@ with routing):
   The grouped GEMM sees ``N * K`` rows of which about ``1/n`` are real; the rest are padding rows that
   the kernel zero-fills without reading weights.
 * ``"all_to_all"`` (prefill, many tokens): each device takes ``1/n`` of the tokens, sends each slot to
-  the device owning its expert with ``jax.lax.ragged_all_to_all`` (only real rows travel), computes,
-  sends the results back the same way, combines its tokens, and an ``all_gather`` restores the
-  replicated activations. XLA:CPU has no ragged all-to-all: there the same exchange runs as a dense
-  ``all_to_all`` of fixed-capacity buffers (same layout, same results, more bytes moved).
+  the device owning its expert, computes, sends the results back the same way, combines its tokens,
+  and an ``all_gather`` restores the replicated activations. The exchange is a dense ``all_to_all``
+  of fixed-capacity buffers by default (``exchange="dense"``), or ``jax.lax.ragged_all_to_all``
+  (``exchange="ragged"``: only real rows travel; GPUs only, XLA:CPU has no ragged all-to-all and
+  takes the dense path). Same layout and results either way. On two H200s (jax 0.11.2) the dense
+  exchange of a 4096-token R1 prefill took 5.2 ms and the ragged one 88 ms, for half the bytes
+  (``benchmarks/RESULTS.md``), hence the default; the dense one moves ``n`` times the rows needed
+  in the worst case of routing, which grows with the expert axis.
 
 No token is ever dropped: receive buffers are sized for the worst case (every slot to one device).
 Results equal the single-device layer up to float32 summation order, with one documented exception:
@@ -48,16 +52,16 @@ class ExpertParallel:
       dispatch: ``"auto"`` (``"gather"`` up to ``gather_max_tokens`` tokens, else ``"all_to_all"``),
         ``"gather"`` or ``"all_to_all"``.
       gather_max_tokens: the ``"auto"`` threshold, in tokens of one forward call.
-      exchange: how ``"all_to_all"`` moves rows on GPUs: ``"ragged"`` (``jax.lax.ragged_all_to_all``, only
-        real rows travel) or ``"dense"`` (``jax.lax.all_to_all`` of fixed-capacity buffers, the path XLA:CPU
-        always takes). On two H200s the ragged exchange of a 4096-token prefill took 88 ms (see
-        benchmarks/RESULTS.md); ``bench_expert_parallel.py`` times both.
+      exchange: how ``"all_to_all"`` moves rows: ``"dense"`` (default; ``jax.lax.all_to_all`` of
+        fixed-capacity buffers) or ``"ragged"`` (``jax.lax.ragged_all_to_all`` on GPUs, only real rows
+        travel; dense elsewhere). Two H200s, 4096-token prefill: 5.2 ms dense, 88 ms ragged (module
+        docstring); ``benchmarks/bench_expert_parallel.py`` times both.
     """
 
     mesh: Mesh
     dispatch: str = "auto"
     gather_max_tokens: int = 256
-    exchange: str = "ragged"
+    exchange: str = "dense"
 
     def __post_init__(self):
         if self.dispatch not in DISPATCHES:
@@ -132,7 +136,7 @@ def _exchange(rows, send_offsets, send_sizes, out_offsets, recv_sizes, out_rows,
                                       cuda=ragged, default=dense)
 
 
-def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exchange="ragged"):
+def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exchange="dense"):
     d = jax.lax.axis_index(EXPERT_AXIS)
     e_local = num_experts // n
     tokens, k = ids.shape

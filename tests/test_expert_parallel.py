@@ -128,7 +128,7 @@ def test_shard_model_in_place(ckpt):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
 def test_two_gpus_equal_one(ckpt, dispatch):
-    """Through the CUDA kernels and NCCL (ragged all-to-all) on two GPUs."""
+    """Through the CUDA kernels and NCCL (default: dense all-to-all exchange) on two GPUs."""
     gpus = jax.devices("gpu")
     if len(gpus) < 2:
         pytest.skip("needs two GPUs")
@@ -137,15 +137,15 @@ def test_two_gpus_equal_one(ckpt, dispatch):
 
 
 @pytest.mark.gpu
-def test_two_gpus_dense_exchange(ckpt):
-    """The fixed-capacity all_to_all exchange (the CPU path) through NCCL on two GPUs."""
+def test_two_gpus_ragged_exchange(ckpt):
+    """The ragged all-to-all exchange (GPUs only) through NCCL on two GPUs."""
     gpus = jax.devices("gpu")
     if len(gpus) < 2:
         pytest.skip("needs two GPUs")
     with jax.default_device(gpus[0]):
         model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, progress=False)
         ref = _logits(model)
-    shard_model(model, sharding.make_mesh(2, gpus), dispatch="all_to_all", exchange="dense")
+    shard_model(model, sharding.make_mesh(2, gpus), dispatch="all_to_all", exchange="ragged")
     out = _logits(model)
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
     np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))

@@ -43,7 +43,7 @@ def set_expert_parallel(model, ep: ExpertParallel | None) -> None:
             mod.expert_parallel = ep
 
 
-def shard_model(model, mesh, *, dispatch: str = "auto", gather_max_tokens: int = 256, exchange: str = "ragged"):
+def shard_model(model, mesh, *, dispatch: str = "auto", gather_max_tokens: int = 256, exchange: str = "dense"):
     """Places ``model``'s variables on ``mesh`` (experts sharded, the rest replicated) and enables EP.
 
     Args:
