@@ -2,6 +2,8 @@
 
     python benchmarks/bench_generate.py [--layers 3] [--out DIR] [--results]     # on one H200
     python benchmarks/bench_generate.py --tiny                                     # CPU smoke test
+    python benchmarks/bench_generate.py --layers 61 --variants w4a8 --expert-parallel 8 --batches 1 16 64 256
+                                                         # R1-sized W4A8 model over 8 GPUs (issue #8)
 
 The model has DeepSeek-V3's widths (vocab 129280, hidden 7168, 128 heads, q_lora 1536, kv_lora 512,
 qk_nope 128, qk_rope 64, v_head 128, 256 routed experts of 2048 + 1 shared, top-8 of 8 groups / 4 kept,
@@ -108,18 +110,20 @@ def _make_group_impl(key, specs):
     return [_make_leaf(jax.random.fold_in(key, j), *spec) for j, spec in enumerate(specs)]
 
 
-def _make_group(key, specs):
-    """The variables ``specs`` ((shape, dtype, kind, K) each) in one jitted call on the default device;
-    decoder layers of the same structure share one compilation (the key is an argument)."""
+def _make_group(key, specs, shardings=None):
+    """The variables ``specs`` ((shape, dtype, kind, K) each) in one jitted call, on the default device or
+    made straight into ``shardings``; decoder layers of the same structure share one compilation (the key
+    is an argument)."""
     import jax
 
-    global _MAKE
-    if _MAKE is None:
-        _MAKE = jax.jit(_make_group_impl, static_argnums=1)
-    return _MAKE(key, specs)
+    fn = _MAKE.get(shardings)
+    if fn is None:
+        fn = _MAKE[shardings] = jax.jit(_make_group_impl, static_argnums=1,
+                                        out_shardings=None if shardings is None else list(shardings))
+    return fn(key, specs)
 
 
-_MAKE = None
+_MAKE: dict = {}
 
 
 def _spec(name, var, weights):
@@ -141,13 +145,16 @@ def _spec(name, var, weights):
     return shape, dt, "embed" if "embed_tokens" in name else "float", shape[-1]
 
 
-def random_model(cfg, quant, dtype):
-    """A DeepseekV3ForCausalLM with random weights made on the default device: one jitted call per decoder
-    layer (plus one for the embedding, final norm and lm_head), never a host array."""
+def random_model(cfg, quant, dtype, mesh=None):
+    """A DeepseekV3ForCausalLM with random weights made on the default device, or with ``mesh`` made on its
+    devices already sharded (routed experts split over ``"expert"``, the rest replicated) and run expert-
+    parallel: one jitted call per decoder layer (plus one for the embedding, final norm and lm_head),
+    never a host array and never a whole model on one device."""
     import jax
     from flax import nnx
 
-    from jax_w4a8.models.deepseek import DeepseekV3ForCausalLM
+    from jax_w4a8.expert_parallel import ExpertParallel
+    from jax_w4a8.models.deepseek import DeepseekV3ForCausalLM, parallel
 
     abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, quant=quant, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
@@ -160,10 +167,16 @@ def random_model(cfg, quant, dtype):
     flat = []
     for g, items in groups.items():
         specs = tuple(_spec(".".join(map(str, p)), v, weights) for p, v in items)
-        arrays = _make_group(jax.random.fold_in(jax.random.key(0), g + 1), specs)
+        shardings = None if mesh is None else tuple(
+            parallel.placement(mesh, ".".join(map(str, p)), len(v.shape)) for p, v in items)
+        arrays = _make_group(jax.random.fold_in(jax.random.key(0), g + 1), specs, shardings)
         flat += [(p, v.replace(a)) for (p, v), a in zip(items, arrays)]
         jax.block_until_ready(arrays)
-    return nnx.merge(graphdef, nnx.from_flat_state(flat))
+    model = nnx.merge(graphdef, nnx.from_flat_state(flat))
+    if mesh is not None:
+        parallel.check_divisible(cfg.n_routed_experts, mesh)
+        parallel.set_expert_parallel(model, ExpertParallel(mesh))
+    return model
 
 
 class PallasExperts:
@@ -305,6 +318,8 @@ def _free(model):
 
 def _command(a) -> str:
     parts = [f"--layers {a['layers']}", "--variants " + " ".join(a["variants"])]
+    if a.get("expert_parallel", 1) > 1:
+        parts.append(f"--expert-parallel {a['expert_parallel']}")
     if a.get("prefill") != [1024, 4096]:
         parts.append("--prefill " + " ".join(map(str, a.get("prefill") or [])))
     if a.get("batches") != [1, 16, 64]:
@@ -349,9 +364,10 @@ def summarize(rows):
             s[f"{m} tok/s"] = r.get("tokens_per_s", "error")
             if phase == "decode" and "ms" in r:
                 s[f"{m} ms/step"] = r["ms"]
-        bf = [got[m]["tokens_per_s"] for m in ("bf16_ragged_dot", "bf16_pallas") if "tokens_per_s" in got.get(m, {})]
-        if bf and "tokens_per_s" in got.get("w4a8", {}):
-            s["w4a8 / best bf16"] = f"{got['w4a8']['tokens_per_s'] / max(bf):.2f}x"
+        bf = [r["tokens_per_s"] for m, r in got.items() if m.startswith("bf16") and "tokens_per_s" in r]
+        w4 = [r["tokens_per_s"] for m, r in got.items() if m.startswith("w4a8") and "tokens_per_s" in r]
+        if bf and len(w4) == 1:
+            s["w4a8 / best bf16"] = f"{w4[0] / max(bf):.2f}x"
         out.append(s)
     return out
 
@@ -367,6 +383,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
     p.add_argument("--variants", nargs="*", default=["w4a8", "bf16_ragged_dot", "bf16_pallas"])
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
+    p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
+                   help="split the routed experts over the first N devices (weights made sharded; w4a8 only)")
     p.add_argument("--out")
     p.add_argument("--results", action="store_true", help="rewrite the section in benchmarks/RESULTS.md")
     p.add_argument("--report", nargs="+", metavar="JSON",
@@ -402,22 +420,29 @@ def main(argv=None):
     variants = [v for v in args.variants if v != "bf16_pallas" or on_gpu]
     if "bf16_pallas" in args.variants and not on_gpu:
         print("bf16_pallas skipped: the Pallas Mosaic-GPU kernel needs a GPU", flush=True)
+    mesh, tag = None, ""
+    if args.expert_parallel > 1:
+        from jax_w4a8 import sharding
+
+        mesh, tag = sharding.make_mesh(args.expert_parallel), f"@ep{args.expert_parallel}"
+        if "bf16_pallas" in variants:
+            raise SystemExit("--expert-parallel: the bf16_pallas variant runs on one device only")
     if "w4a8" in variants:
         t0 = time.perf_counter()
-        model = random_model(cfg, QuantConfig.w4a8(), jnp.bfloat16)
+        model = random_model(cfg, QuantConfig.w4a8(), jnp.bfloat16, mesh)
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
         print(f"w4a8 model made in {time.perf_counter() - t0:.1f} s", flush=True)
-        run_variant("w4a8", model, cfg, args, rows)
+        run_variant("w4a8" + tag, model, cfg, args, rows)
         save_partial()
         _free(model)
         del model
     if "bf16_ragged_dot" in variants or "bf16_pallas" in variants:
         t0 = time.perf_counter()
-        model = random_model(cfg, QuantConfig(), jnp.bfloat16)
+        model = random_model(cfg, QuantConfig(), jnp.bfloat16, mesh)
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
         print(f"bf16 model made in {time.perf_counter() - t0:.1f} s", flush=True)
         if "bf16_ragged_dot" in variants:
-            run_variant("bf16_ragged_dot", model, cfg, args, rows)
+            run_variant("bf16_ragged_dot" + tag, model, cfg, args, rows)
             save_partial()
         if "bf16_pallas" in variants:
             to_pallas_experts(model)

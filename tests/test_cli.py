@@ -143,3 +143,43 @@ def test_bench_generate_tiny_runs(tmp_path):
                         ("bf16_ragged_dot", "decode")}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in got.values()), payload["rows"]
     assert payload["summary"] and "w4a8 / best bf16" in payload["summary"][0]
+
+
+def _load_bench_generate():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_generate", os.path.join(ROOT, "benchmarks",
+                                                                                  "bench_generate.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_bench_generate_expert_parallel_makes_sharded_weights(tmp_path):
+    """--expert-parallel N: weights are made straight into their shardings and the model runs EP."""
+    import json
+
+    import jax.numpy as jnp
+
+    from jax_w4a8 import sharding
+    from jax_w4a8.models.deepseek import QuantConfig
+
+    bench = _load_bench_generate()
+    cfg = bench.v3_config(1, 0, tiny=True)
+    mesh = sharding.make_mesh(4)
+    model = bench.random_model(cfg, QuantConfig.w4a8(), jnp.float32, mesh)
+    experts = model.model.layers[0].mlp.experts
+    for v in (experts.gate_up_proj, experts.down_proj):
+        arr = v[...]
+        assert arr.sharding.spec[0] == sharding.EXPERT_AXIS and len(arr.sharding.device_set) == 4
+        assert arr.addressable_shards[0].data.shape[0] == cfg.n_routed_experts // 4
+    assert model.model.layers[0].mlp.expert_parallel.size == 4
+    emb = model.model.embed_tokens.weight[...]
+    assert len(emb.sharding.device_set) == 4 and emb.sharding.is_fully_replicated
+    del model
+
+    assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--variants", "w4a8",
+                       "--expert-parallel", "4", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
+    assert {(r["model"], r["phase"]) for r in rows} == {("w4a8@ep4", "prefill"), ("w4a8@ep4", "decode")}
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
