@@ -469,21 +469,21 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
 
     if constexpr (kParts == 2) {
       FusedUpEpilogue<kTok>(p, t, total[0], total[1], red, cw, warp, lane, row0);
-      continue;
-    }
-    // Epilogue: rows of this batch only; features < F.
+    } else {
+      // Epilogue: rows of this batch only; features < F.
 #pragma unroll
-    for (int i = 0; i < kTok / 2; ++i) {
-      const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-      const int64_t f = row0 + 8 * ((i / 2) % 2);
-      if (m >= t.m_end || f >= p.f) continue;
-      const int64_t idx = (m * p.h + t.head) * p.f + f;
-      if (p.split_k > 1) {
-        atomicAdd(p.split_ws + idx, total[0][i]);
-      } else if (p.out_bf16) {
-        static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(total[0][i]);
-      } else {
-        static_cast<float*>(p.out)[idx] = total[0][i];
+      for (int i = 0; i < kTok / 2; ++i) {
+        const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+        const int64_t f = row0 + 8 * ((i / 2) % 2);
+        if (m >= t.m_end || f >= p.f) continue;
+        const int64_t idx = (m * p.h + t.head) * p.f + f;
+        if (p.split_k > 1) {
+          atomicAdd(p.split_ws + idx, total[0][i]);
+        } else if (p.out_bf16) {
+          static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(total[0][i]);
+        } else {
+          static_cast<float*>(p.out)[idx] = total[0][i];
+        }
       }
     }
   }
