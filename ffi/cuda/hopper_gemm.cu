@@ -19,9 +19,9 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
-#include <type_traits>
 #include <cstdint>
 #include <mutex>
+#include <type_traits>
 
 #include "../common/formats.h"
 #include "../common/groups.h"

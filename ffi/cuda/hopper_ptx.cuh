@@ -1,6 +1,6 @@
 // Thin wrappers over the Hopper (sm_90a) PTX this library uses: mbarriers, TMA bulk tensor loads,
-// wgmma (fp8 e4m3 x e4m3 -> f32, both operands K-major in shared memory with 128-byte swizzle),
-// proxy fences and register reallocation. Only what the kernels need; each wrapper is one
+// shared-space loads, wgmma (fp8 e4m3 x e4m3 -> f32; B, and A unless it comes from registers, K-major
+// in shared memory with 128-byte swizzle) and register reallocation. Only what the kernels need; each wrapper is one
 // instruction, named as in the PTX ISA.
 #pragma once
 
@@ -22,10 +22,6 @@ __device__ __forceinline__ void MbarInit(uint64_t* bar, uint32_t count) {
 __device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)), "r"(bytes)
                : "memory");
-}
-
-__device__ __forceinline__ void MbarArrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
 }
 
 // Arrive only where pred holds, without a branch (a branch between in-flight wgmma would serialize them).
@@ -52,37 +48,22 @@ __device__ __forceinline__ void FenceBarrierInit() {
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
-// Orders this thread's generic-proxy shared-memory writes before later async-proxy reads (wgmma, TMA).
-__device__ __forceinline__ void FenceProxyAsyncShared() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
 // Named barrier over `threads` threads (a multiple of 32); id 0 is __syncthreads.
 __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-// Shared-space loads and stores (st.shared, not generic stores: a proxy fence after generic stores
-// becomes a full MEMBAR that also waits for this thread's outstanding global loads).
+// Shared-space loads (ld.shared: no generic-address conversion).
 // Not volatile: repeated loads of the same address may be merged (callers order them with barriers).
 __device__ __forceinline__ float LdSharedF32(uint32_t addr) {
   float v;
   asm("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(addr) : "memory");
   return v;
 }
-__device__ __forceinline__ uint2 LdShared64(uint32_t addr) {
-  uint2 v;
-  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
-  return v;
-}
 __device__ __forceinline__ uint4 LdShared128(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
-}
-__device__ __forceinline__ void StShared128(uint32_t addr, uint4 v) {
-  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
 }
 
 // ----------------------------------------------------------------------------------------- TMA
@@ -198,6 +179,7 @@ __device__ __forceinline__ void WgmmaE4m3N128(float (&d)[64], uint64_t desc_a, u
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "l"(desc_a), "l"(desc_b), "r"(scale_d));
 }
+
 // A from registers (the int4 path converts weights straight into these): per thread four b32 of four
 // e4m3 each, rows r = 16 * warp + lane / 4 and r + 8, K columns 4 * (lane % 4) + [0, 4) and + 16:
 // a[0] = (r, k), a[1] = (r + 8, k), a[2] = (r, k + 16), a[3] = (r + 8, k + 16), byte i = column + i.
