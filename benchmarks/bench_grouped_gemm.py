@@ -171,11 +171,16 @@ PEERS = ["pallas_bf16", "pallas_fp8", "torch_scaled_grouped_mm_fp8", "torch_grou
          "xla_ragged_dot_bf16", "xla_ragged_dot_fp8", "xla_int4_dequant_ragged_dot"]
 
 
+def tile_times(r):
+    """The alternative token tiles timed for row ``r`` (``--tiles``): {"t32": us, ...}."""
+    return {k[:-3]: v for k, v in r.items() if re.fullmatch(r"t\d+_us", k)}
+
+
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
     fused = (f" | fused up {r['fused_up_us']:.0f} us vs unfused {r['unfused_up_us']:.0f} us"
              if "fused_up_us" in r else "")
-    tiles = "".join(f" | {k[:-3]} {v:.0f} us" for k, v in r.items() if re.fullmatch(r"t\d+_us", k))
+    tiles = "".join(f" | {k} {v:.0f} us" for k, v in tile_times(r).items())
     return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
             f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}{tiles}")
@@ -195,7 +200,7 @@ def report(payload, out):
                 d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x ({r[f'{p}_us']:.0f} us)"
         if "fused_up_us" in r:
             d["fused up-proj us (unfused)"] = f"{r['fused_up_us']:.0f} ({r['unfused_up_us']:.0f})"
-        d["other token tiles us"] = " ".join(f"{k[:-3]}: {v:.0f}" for k, v in r.items() if re.fullmatch(r"t\d+_us", k))
+        d["other token tiles us"] = " ".join(f"{k}: {v:.0f}" for k, v in tile_times(r).items())
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
             f"`{payload.get('command', 'python benchmarks/bench_grouped_gemm.py')}`; copy bandwidth "

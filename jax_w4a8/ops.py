@@ -85,7 +85,6 @@ def _dispatch(impl, cpu_fn, cuda_fn, ref_fn, *args, default=None):
     )
 
 
-
 # ----------------------------------------------------------------------------------------------
 # W4A8 grouped GEMM
 # ----------------------------------------------------------------------------------------------
@@ -260,8 +259,9 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     Scales: float32 multipliers, or UE8M0 codes (uint8 / ``float8_e8m0fnu``) applied as exact powers
     of two. Code 0xFF (the format's NaN) is rejected for concrete arrays and by the CPU handler; under
     ``jit`` on a GPU codes are not scanned (that would need a host sync), so a 0xFF code there yields
-    NaN like any NaN scale; this library's encoders never produce 0xFF. ``ue8m0=True`` declares float32 scales to be powers of two: they are packed into codes
-    with a mask, and any value with sign or mantissa bits is rejected (never turned into NaN).
+    NaN like any NaN scale; this library's encoders never produce 0xFF. ``ue8m0=True`` declares
+    float32 scales to be powers of two: they are packed into codes with a mask, and any value with
+    sign or mantissa bits is rejected (never turned into NaN).
 
     Args:
       x, w: float8_e4m3fn operands; out_dtype: bfloat16 or float32; impl: "auto" | "ffi" | "reference";

@@ -17,10 +17,10 @@ group per pipeline stage. The heuristic:
   the K groups are split so that about two units run per SM. (Splitting in two to fill the last
   wave better was tried at 64 rows over 32 experts: the kernel alone ran 13% faster under ncu, but
   the whole call, with the workspace clear and the rounding pass, was not faster; not used.)
-  Partial sums are added in float32 (atomics into a workspace) and rounded once at the end. With three or more splits the order of those additions varies
-  between runs, so outputs can differ in the last bits from run to run (typical at batch-1 decode
-  shapes); plans with ``split_k <= 2`` are bitwise deterministic. A fixed-order reduction is
-  future work.
+  Partial sums are added in float32 (atomics into a workspace) and rounded once at the end. With
+  three or more splits the order of those additions varies between runs, so outputs can differ in
+  the last bits from run to run (typical at batch-1 decode shapes); plans with ``split_k <= 2`` are
+  bitwise deterministic. A fixed-order reduction is future work.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 

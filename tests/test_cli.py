@@ -129,13 +129,9 @@ def test_text_stream_holds_back_partial_utf8():
 
 def test_bench_generate_tiny_runs(tmp_path):
     """benchmarks/bench_generate.py --tiny (the H200 benchmark's CPU smoke test): both CPU variants measured."""
-    import importlib.util
     import json
 
-    spec = importlib.util.spec_from_file_location("bench_generate", os.path.join(ROOT, "benchmarks",
-                                                                                  "bench_generate.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench_generate()
     assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "generate.json").read_text())
     got = {(r["model"], r["phase"]): r for r in payload["rows"]}
