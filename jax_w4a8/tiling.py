@@ -13,14 +13,16 @@ group per pipeline stage. The heuristic:
   far more than a wider MMA (16 rows per expert: tile 32, not 16). Prefill uses 128 for arithmetic
   intensity.
 * ``split_k``: when the expected units of work (batches with rows x token tiles x 128-row weight
-  tiles; at batch-1 decode only ~top-k experts of the grouped GEMM have rows) do not fill the GPU,
-  the K groups are split so that about two units run per SM. (Splitting in two to fill the last
-  wave better was tried at 64 rows over 32 experts: the kernel alone ran 13% faster under ncu, but
-  the whole call, with the workspace clear and the rounding pass, was not faster; not used.)
-  Partial sums are added in float32 (atomics into a workspace) and rounded once at the end. With
-  three or more splits the order of those additions varies between runs, so outputs can differ in
-  the last bits from run to run (typical at batch-1 decode shapes); plans with ``split_k <= 2`` are
-  bitwise deterministic. A fixed-order reduction is future work.
+  tiles; at batch-1 decode only ~top-k experts of the grouped GEMM have rows) do not fill the
+  resident blocks (two per SM at token tiles <= 32, else one), or, for the einsum (whose units are
+  known exactly), when the last wave would leave more than a quarter of the blocks idle, the
+  kernel runs stream-K: the (unit, K group) iterations are dealt out in equal contiguous ranges, one
+  per resident block, so every block streams the same number of K groups whatever the tile count.
+  ``split_k`` is then the number of pieces an average tile is cut into (any value above 1 selects
+  stream-K in the kernel). Partial sums are added in float32 (atomics into a workspace) and rounded
+  once at the end, so the order of those additions varies between runs and outputs can differ in
+  the last bits from run to run; plans with ``split_k == 1`` are bitwise deterministic. A
+  fixed-order reduction is future work.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 
@@ -61,8 +63,14 @@ def _tile_for(rows: float, spread: bool) -> int:
     return next((t for t in TILE_TOKENS if need <= t), TILE_TOKENS[-1])
 
 
+def _blocks_per_sm(tile_tokens: int) -> int:
+    """Resident blocks of the Hopper kernel per SM (``Occupancy`` in hopper_gemm.cu, unfused)."""
+    return 2 if tile_tokens <= 32 else 1
+
+
 def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens: int | None,
-          num_sms: int | None, *, spread: bool = False, busy: float | None = None) -> GemmPlan:
+          num_sms: int | None, *, spread: bool = False, busy: float | None = None,
+          exact: bool = False) -> GemmPlan:
     groups = k // 128
     if tile_tokens is None:
         tile_tokens = _tile_for(rows, spread)
@@ -70,15 +78,19 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
         raise ValueError(f"argument 'tile_tokens' must be None, 0 or one of {TILE_TOKENS}, got {tile_tokens!r}")
     if tile_tokens == 0:
         return GemmPlan(0, 1, 0, 0)
-    sms = num_sms or _num_sms()
+    slots = (num_sms or _num_sms()) * _blocks_per_sm(tile_tokens)
     busy = batches if busy is None else busy  # batches with rows (expected)
     units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
     work = busy * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
-    split = 1 if work >= sms else max(1, min(math.ceil(2 * sms / max(work, 1)), groups, 16))
+    workspace = m * h * f * 4
+    ragged_wave = exact and work / (math.ceil(work / slots) * slots) < 0.75 and workspace <= 64 << 20
+    split = 1
+    if groups > 1 and (work < slots or ragged_wave):
+        split = max(2, min(math.ceil(slots / max(work, 1)), groups))
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
     if split > 1:
-        scratch += m * h * f * 4
+        scratch += workspace
     return GemmPlan(tile_tokens, split, scratch, units)
 
 
@@ -111,4 +123,4 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
 def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, tile_tokens: int | None = None,
                     num_sms: int | None = None) -> GemmPlan:
     """Plan for ``fp8_einsum`` in canonical form: x [M, H, K], w [H, N, K]."""
-    return _plan(m, h, n, k, h, m, tile_tokens, num_sms)
+    return _plan(m, h, n, k, h, m, tile_tokens, num_sms, exact=True)

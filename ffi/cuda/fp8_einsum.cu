@@ -124,12 +124,11 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
     return Invalid("fp8_einsum", "scratch output too small for the tile plan (" +
                                      std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");
   auto* base = static_cast<uint8_t*>(scratch->untyped_data());
-  p.sx = reinterpret_cast<const float*>(base);
+  p.sx_src = x_scale.untyped_data();
+  p.sx_kind = d.x_scale_ue8m0 ? ActScaleKind::kGroupUe8m0 : ActScaleKind::kGroupF32;
+  p.sx = reinterpret_cast<float*>(base);
   p.split_ws = reinterpret_cast<float*>(base + HopperGemmScratchBytes(d.m, d.h, d.n, d.k, 1));
-  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(),
-                                            d.x_scale_ue8m0 ? ActScaleKind::kGroupUe8m0 : ActScaleKind::kGroupF32,
-                                            reinterpret_cast<float*>(base), d.m, d.h, d.groups, stream);
-  if (err == cudaSuccess) err = LaunchHopperGemm(p, stream);
+  const cudaError_t err = LaunchHopperGemm(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("fp8_einsum: tensor-core kernel failed: ") + cudaGetErrorString(err));
   return ffi::Error::Success();

@@ -10,9 +10,12 @@
 //                allow, two groups are in flight per warpgroup (ping-pong accumulators).
 // Units of work (batch, token tile, feature tile, K split) are numbered on the device from
 // group_sizes, so nothing waits for the host and any group_sizes content is safe (clamped as in
-// common/groups.h). With split_k > 1 partial sums go to a zeroed fp32 workspace with atomics and a
-// second pass rounds them; otherwise each unit rounds and stores its own tile, and padding rows of
-// the grouped GEMM are zero-filled by units of their own.
+// common/groups.h). Without split-K the blocks take whole units in turn: each rounds and stores its
+// own tile, and padding rows of the grouped GEMM are zero-filled by units of their own. With
+// split_k > 1 the kernel runs stream-K: the (unit, K group) iterations are dealt out in equal
+// contiguous ranges, one per block (so no wave is left part-empty), a block's range is cut into
+// pieces at unit edges, and each piece adds its partial sums to a zeroed fp32 workspace with
+// atomics; a second pass rounds them.
 #include <cuda.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -114,7 +117,7 @@ __device__ void BuildUnitTable(const HopperGemmParams& p, UnitTable& t, int64_t 
       e = min(carry_end + v, p.m);
       carry_end = min(carry_end + __shfl_sync(0xffffffffu, v, 31), p.m);
     }
-    int64_t units = i < p.b ? (e - s + kTok - 1) / kTok * feat_tiles * p.split_k : 0;
+    int64_t units = i < p.b ? (e - s + kTok - 1) / kTok * feat_tiles : 0;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
       const int64_t o = __shfl_up_sync(0xffffffffu, units, off);
@@ -145,7 +148,7 @@ struct Unit {
 
 template <int kTok>
 __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const UnitTable& t, int64_t u,
-                                           int64_t feat_tiles, int64_t groups) {
+                                           int64_t feat_tiles) {
   int lo = 0, hi = t.nb - 1;  // last batch with prefix[b] <= u
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -154,19 +157,54 @@ __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const Unit
   Unit x;
   x.b = lo;
   x.zero = lo >= p.b;
-  const int64_t split = x.zero ? 1 : p.split_k;
-  int64_t r = u - t.prefix[lo];
-  const int64_t ks = r % split;
-  r /= split;
+  const int64_t r = u - t.prefix[lo];
   const int64_t tok_tiles = (t.end[lo] - t.start[lo] + kTok - 1) / kTok;
   x.m0 = t.start[lo] + (r % tok_tiles) * kTok;
   x.f0 = (r / tok_tiles) * kFeatTile;
   x.m_end = t.end[lo];
-  x.g0 = groups * ks / split;
-  x.g1 = groups * (ks + 1) / split;
+  x.g0 = 0;
+  x.g1 = 0;
   x.head = p.group_sizes == nullptr ? static_cast<int>(lo) : 0;
   return x;
 }
+
+// The pieces of work one block runs, in order; producer and consumers walk the same sequence.
+// Whole units in turn (cursor = unit), or with split-K this block's equal share of the
+// (unit, K group) iterations (cursor = iteration), cut at unit edges.
+struct WorkCursor {
+  int64_t cursor, end;
+  bool stream_k;
+
+  __device__ WorkCursor(const HopperGemmParams& p, int64_t total_units, int64_t groups) {
+    stream_k = p.split_k > 1;
+    if (stream_k) {
+      const int64_t iters = total_units * groups;
+      cursor = iters * blockIdx.x / gridDim.x;
+      end = iters * (blockIdx.x + 1) / gridDim.x;
+    } else {
+      cursor = blockIdx.x;
+      end = total_units;
+    }
+  }
+
+  template <int kTok>
+  __device__ __forceinline__ bool Next(const HopperGemmParams& p, const UnitTable& table, int64_t feat_tiles,
+                                       int64_t groups, Unit& t) {
+    if (cursor >= end) return false;
+    if (!stream_k) {
+      t = DecodeUnit<kTok>(p, table, cursor, feat_tiles);
+      t.g0 = 0;
+      t.g1 = groups;
+      cursor += gridDim.x;
+      return true;
+    }
+    t = DecodeUnit<kTok>(p, table, cursor / groups, feat_tiles);
+    t.g0 = cursor % groups;
+    t.g1 = min(groups, t.g0 + (end - cursor));
+    cursor += t.g1 - t.g0;
+    return true;
+  }
+};
 
 template <int kTok>
 __device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t b, int scale_d) {
@@ -302,8 +340,8 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;
-    for (int64_t u = blockIdx.x; u < total_units; u += gridDim.x) {
-      const Unit t = DecodeUnit<kTok>(p, table, u, feat_tiles, groups);
+    WorkCursor work(p, total_units, groups);
+    for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
       if (t.zero) continue;
       for (int64_t g = t.g0; g < t.g1; ++g) {
         sm90::MbarWait(&empty[stage], phase ^ 1);
@@ -337,8 +375,8 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   const uint32_t nib_sel = static_cast<uint32_t>(2 * (lane % 4)) | (static_cast<uint32_t>(2 * (lane % 4) + 1) << 4);
   int stage = 0;
   uint32_t phase = 0;
-  for (int64_t u = blockIdx.x; u < total_units; u += gridDim.x) {
-    const Unit t = DecodeUnit<kTok>(p, table, u, feat_tiles, groups);
+  WorkCursor work(p, total_units, groups);
+  for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
     float total[kParts][kTok / 2];
 #pragma unroll
@@ -347,8 +385,10 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
       for (int i = 0; i < kTok / 2; ++i) total[part][i] = 0.0f;
 
     const int64_t g_begin = t.zero ? t.g1 : t.g0;
-    // Weight scales of rows row0 and row0 + 8 per pipeline slot; the next group's are loaded one ahead.
-    float next_sw[kParts][2] = {};
+    // Weight scales of rows row0 and row0 + 8 per pipeline slot. pre[j] holds the scales of a coming
+    // group, loaded two groups before they are needed so that the global-load latency hides behind
+    // the MMAs and promotions of a whole pair of groups (one group ahead stalled every other group).
+    float pre[2][kParts][2] = {};
     float sw[kPipe][kParts][2];
     float acc[kPipe][kParts][kTok / 2];
     uint32_t afrag[kPipe][kParts][4][4];  // int4 path: this thread's e4m3 A fragments, 4 K steps of 32
@@ -359,21 +399,29 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
       sw_base[part][0] = WeightScaleBase(p, t.b, row0 + part * p.up_offset, groups);
       sw_base[part][1] = WeightScaleBase(p, t.b, row0 + 8 + part * p.up_offset, groups);
     }
-    auto load_scales = [&](int64_t g) {
+    auto load_scales = [&](auto pre_slot, int64_t g) {
+      constexpr int J = decltype(pre_slot)::value;
+      g = min(g, t.g1 - 1);
 #pragma unroll
       for (int part = 0; part < kParts; ++part) {
-        next_sw[part][0] = LoadWeightScale(p, sw_base[part][0] + g);
-        next_sw[part][1] = LoadWeightScale(p, sw_base[part][1] + g);
+        pre[J][part][0] = LoadWeightScale(p, sw_base[part][0] + g);
+        pre[J][part][1] = LoadWeightScale(p, sw_base[part][1] + g);
       }
     };
-    if (g_begin < t.g1) load_scales(g_begin);
+    using Pre0 = std::integral_constant<int, 0>;
+    using Pre1 = std::integral_constant<int, 1>;
+    if (g_begin < t.g1) {
+      load_scales(Pre0{}, g_begin);
+      load_scales(Pre1{}, g_begin + 1);
+    }
 
-    // Wait for group g's stage, build the A operand and issue its MMAs into slot S (asynchronously).
-    auto issue = [&](auto slot, int64_t g) {
+    // Wait for group g's stage, build the A operand and issue its MMAs into slot S (asynchronously),
+    // with the weight scales from pre[J].
+    auto issue = [&](auto slot, auto pre_slot, int64_t g) {
       constexpr int S = decltype(slot)::value;
+      constexpr int J = decltype(pre_slot)::value;
 #pragma unroll
-      for (int part = 0; part < kParts; ++part) sw[S][part][0] = next_sw[part][0], sw[S][part][1] = next_sw[part][1];
-      load_scales(min(g + 1, t.g1 - 1));
+      for (int part = 0; part < kParts; ++part) sw[S][part][0] = pre[J][part][0], sw[S][part][1] = pre[J][part][1];
       sm90::MbarWait(&full[stage], phase);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       const uint8_t* x_tile = st + L::kWBytes;
@@ -440,9 +488,23 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
       sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
     };
     using Slot0 = std::integral_constant<int, 0>;
-    if constexpr (kPipe == 1) {
-      for (int64_t g = g_begin; g < t.g1; ++g) {
-        issue(Slot0{}, g);
+    int64_t g = g_begin;
+    if constexpr (kPipe == 1 && kParts == 2) {
+      // Fused gate + up: one group at a time, scales one group ahead (two ahead spills registers).
+      for (; g + 1 < t.g1; ++g) {
+        issue(Slot0{}, Pre0{}, g);
+        load_scales(Pre0{}, g + 1);
+        sm90::WgmmaWait<0>();
+        retire(Slot0{});
+      }
+    } else if constexpr (kPipe == 1) {
+      for (; g + 1 < t.g1; g += 2) {
+        issue(Slot0{}, Pre0{}, g);
+        load_scales(Pre0{}, g + 2);
+        sm90::WgmmaWait<0>();
+        retire(Slot0{});
+        issue(Slot0{}, Pre1{}, g + 1);
+        load_scales(Pre1{}, g + 3);
         sm90::WgmmaWait<0>();
         retire(Slot0{});
       }
@@ -451,20 +513,21 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
       // group g is promoted while g + 1's run. Nothing is in flight across a loop edge (ptxas would
       // otherwise serialize every wgmma).
       using Slot1 = std::integral_constant<int, kPipe - 1>;
-      int64_t g = g_begin;
       for (; g + 1 < t.g1; g += 2) {
-        issue(Slot0{}, g);
-        issue(Slot1{}, g + 1);
+        issue(Slot0{}, Pre0{}, g);
+        issue(Slot1{}, Pre1{}, g + 1);
+        load_scales(Pre0{}, g + 2);
+        load_scales(Pre1{}, g + 3);
         sm90::WgmmaWait<1>();
         retire(Slot0{});
         sm90::WgmmaWait<0>();
         retire(Slot1{});
       }
-      if (g < t.g1) {
-        issue(Slot0{}, g);
-        sm90::WgmmaWait<0>();
-        retire(Slot0{});
-      }
+    }
+    if (g < t.g1) {
+      issue(Slot0{}, Pre0{}, g);
+      sm90::WgmmaWait<0>();
+      retire(Slot0{});
     }
 
     if constexpr (kParts == 2) {
@@ -489,11 +552,15 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   }
 }
 
+// Activation scales into the kernel's layout, and the split-K workspace cleared (n_zero floats): one
+// launch for both.
 __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
-                                       int64_t groups, int64_t mp) {
+                                       int64_t groups, int64_t mp, float* zero, int64_t n_zero) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_zero; i += stride)
+    zero[i] = 0.0f;
   const int64_t n = groups * h * mp;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
     const int64_t row = i % mp, head = (i / mp) % h, g = i / (mp * h);
     float v = 0.0f;
     if (row < m) {
@@ -591,13 +658,22 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   if (!ok) return cudaErrorInvalidValue;
 
   auto kernel = HopperGemmKernel<kTok, kInt4, kParts>;
-  if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-      e != cudaSuccess)
-    return e;
-  const int64_t out_elems = p.m * p.h * p.f;
-  if (p.split_k > 1) {
-    if (cudaError_t e = cudaMemsetAsync(p.split_ws, 0, out_elems * sizeof(float), stream); e != cudaSuccess) return e;
+  // The shared-memory opt-in once per device (to the device's limit): a host call saved on every launch.
+  static std::mutex mu;
+  static bool opted_in[64] = {};
+  int dev_id = 0;
+  cudaGetDevice(&dev_id);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (dev_id >= 64 || !opted_in[dev_id]) {
+      if (cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(dev.smem_optin));
+          e != cudaSuccess)
+        return e;
+      if (dev_id < 64) opted_in[dev_id] = true;
+    }
   }
+  const int64_t out_elems = p.m * p.h * p.f;
   KernelArgs args{p, stages, p.k / kKGroup};
   kernel<<<dev.sms * kBlocks, kThreads, smem, stream>>>(args, map_w, map_x, map_sx);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
@@ -657,17 +733,16 @@ size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int sp
   return bytes;
 }
 
-cudaError_t PrepareActivationScales(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
-                                    int64_t groups, cudaStream_t stream) {
-  const int64_t mp = (m + 3) / 4 * 4, n = groups * h * mp;
-  if (n == 0) return cudaSuccess;
-  const int blocks = static_cast<int>(std::min<int64_t>((n + 255) / 256, 4096));
-  PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(src, kind, dst, m, h, groups, mp);
-  return cudaGetLastError();
-}
-
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const DeviceInfo dev = CurrentDevice();
+  const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
+  const int64_t n_zero = p.split_k > 1 ? p.m * p.h * p.f : 0;
+  if (n > 0 || n_zero > 0) {
+    const int blocks = static_cast<int>(std::min<int64_t>((std::max(n, n_zero) + 255) / 256, int64_t{dev.sms} * 8));
+    PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
+                                                       p.split_ws, n_zero);
+    if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  }
   if (p.fused_up) return LaunchFusedUp(p, stream, dev);
   return p.w_int4 ? LaunchTok<true>(p, stream, dev) : LaunchTok<false>(p, stream, dev);
 }

@@ -18,11 +18,18 @@ namespace jax_w4a8 {
 
 enum class WeightScaleType : int { kF32 = 0, kBf16 = 1, kUe8m0 = 2 };
 
+// Activation scales as the caller has them: a scalar, [M] float32, [M, H, G] float32 or [M, H, G]
+// UE8M0 codes. LaunchHopperGemm rewrites them into the layout the kernel reads, float32 [G, H, Mp]
+// (zero past M), in the same small kernel that clears the split-K workspace.
+enum class ActScaleKind : int { kTensorF32, kTokenF32, kGroupF32, kGroupUe8m0 };
+
 struct HopperGemmParams {
   const void* x;               // e4m3 [M, H, K]
   const void* w;               // int4 packed [B, F, K/2] (w_int4) or e4m3 [B, F, K]
   bool w_int4;
-  const float* sx;             // float32 [G, H, Mp] activation scales, Mp = M rounded up to 4
+  const void* sx_src;          // activation scales as given, of kind sx_kind
+  ActScaleKind sx_kind;
+  float* sx;                   // scratch: float32 [G, H, Mp] activation scales, Mp = M rounded up to 4
   const void* sw;              // [B, sw_rows, G] weight scales of type sw_type
   WeightScaleType sw_type;
   int64_t sw_rows;             // F (per-row scales) or ceil(F / 128) (128-row blocks)
@@ -30,7 +37,7 @@ struct HopperGemmParams {
   const int32_t* group_sizes;  // [B] for the grouped GEMM (H == 1); nullptr for the einsum
   void* out;                   // [M, H, F] bfloat16 or float32
   bool out_bf16;
-  float* split_ws;             // float32 [M, H, F] scratch, needed when split_k > 1
+  float* split_ws;             // float32 [M, H, F] scratch, needed when split_k > 1 (cleared here)
   int64_t m, h, f, k, b, mp;
   int split_k;                 // K groups split across this many units (fp32 atomics + a finish pass)
   int tile_tokens;             // 16, 32, 64 or 128
@@ -50,13 +57,9 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why);
 // Bytes of scratch LaunchHopperGemm needs: the prepared activation scales and the split-K workspace.
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k);
 
+// Prepares the activation scales (and clears the split-K workspace), then runs the GEMM.
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream);
 
-// Activation scales in the layout the kernel reads: float32 [G, H, Mp] (zero past M), from a scalar,
-// [M] float32, [M, H, G] float32 or [M, H, G] UE8M0 codes.
-enum class ActScaleKind : int { kTensorF32, kTokenF32, kGroupF32, kGroupUe8m0 };
-cudaError_t PrepareActivationScales(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
-                                    int64_t groups, cudaStream_t stream);
 
 // The int4 grouped-GEMM parameters shared by w4a8_grouped_gemm and w4a8_moe_up (f: output rows per
 // tile family, the intermediate size when fused); the caller sets sx, split_ws and the fused fields.

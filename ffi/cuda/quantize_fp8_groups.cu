@@ -1,7 +1,7 @@
 // CUDA handler of ops.quantize_fp8_groups: bf16/f32 [R, K] -> e4m3 [R, K] + f32 scales [R, K/128] in
-// one pass. 16 threads per 128-wide group, 16-byte loads, a 4-step shuffle max, hardware saturating
-// round-to-nearest-even conversion. With ue8m0 the scale is rounded up to a power of two *before*
-// the values are divided by it.
+// one pass. 16 threads per 128-wide group, two groups' 16-byte loads in flight per thread, a 4-step
+// shuffle max, hardware saturating round-to-nearest-even conversion (two codes per instruction).
+// With ue8m0 the scale is rounded up to a power of two *before* the values are divided by it.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -15,52 +15,88 @@
 namespace jax_w4a8 {
 namespace {
 
+constexpr int kUnroll = 2;       // groups per 16-thread team and iteration: both loads in flight first
+constexpr int kBlocksPerSm = 6;  // resident at <= 40 registers: the grid is exactly one wave
+
 template <bool kBf16>
-__global__ void __launch_bounds__(256) QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales,
+__device__ __forceinline__ void LoadEight(const void* x, int64_t base, float (&v)[8]) {
+  if constexpr (kBf16) {
+    const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + base));
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  } else {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + base);
+    const float4 a = __ldcs(p), b = __ldcs(p + 1);
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  }
+}
+
+// Eight values of one group -> eight e4m3 codes (x / scale, saturating, round-to-nearest-even), two
+// per conversion instruction. A UE8M0 scale is a power of two, so x * (1 / scale) is x / scale
+// exactly (the reciprocal is exact, subnormal 2^-127 included) and saves the divisions.
+__device__ __forceinline__ uint2 EncodeEight(const float (&v)[8], float scale, bool ue8m0) {
+  float q[8];
+  if (ue8m0) {
+    const float inv = __frcp_rn(scale);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = v[i] * inv;
+  } else {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = __fdiv_rn(v[i], scale);
+  }
+  uint32_t word[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * h], q[4 * h + 1]), __NV_SATFINITE, __NV_E4M3);
+    const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(q[4 * h + 2], q[4 * h + 3]), __NV_SATFINITE, __NV_E4M3);
+    word[h] = lo | (hi << 16);
+  }
+  return make_uint2(word[0], word[1]);
+}
+
+template <bool kBf16>
+__global__ void __launch_bounds__(256, kBlocksPerSm) QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales,
                                                             int64_t groups, bool ue8m0) {
   const int sub = threadIdx.x % 16;  // 16 threads x 8 values = one group
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * (blockDim.x / 16);
-  for (int64_t g = blockIdx.x * static_cast<int64_t>(blockDim.x / 16) + threadIdx.x / 16; g < groups; g += stride) {
-    const int64_t base = g * 128 + sub * 8;
-    float v[8];
-    if constexpr (kBf16) {
-      const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + base));
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+  const int64_t teams = static_cast<int64_t>(gridDim.x) * (blockDim.x / 16);
+  const int64_t team = blockIdx.x * static_cast<int64_t>(blockDim.x / 16) + threadIdx.x / 16;
+  // Team t takes groups t + j * teams for j < kUnroll, then moves on by kUnroll * teams.
+  for (int64_t g0 = team; g0 < groups; g0 += kUnroll * teams) {
+    float v[kUnroll][8];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        v[2 * i] = __uint_as_float(w[i] << 16);
-        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t g = g0 + u * teams;
+      if (g < groups) {
+        LoadEight<kBf16>(x, g * 128 + sub * 8, v[u]);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[u][i] = 0.0f;
       }
-    } else {
-      const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + base);
-      const float4 a = __ldcs(p), b = __ldcs(p + 1);
-      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
     }
-    float amax = 0.0f;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t g = g0 + u * teams;
+      float amax = 0.0f;
 #pragma unroll
-    for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
-    float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-    if (ue8m0) {
-      const uint32_t b = __float_as_uint(scale);
-      uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
-      e = min(max(e, 1u), 254u);
-      scale = __uint_as_float(e << 23);
-    }
-    uint32_t packed[2];
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[u][i]));
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint32_t word = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const __nv_fp8_storage_t c = __nv_cvt_float_to_fp8(__fdiv_rn(v[4 * h + i], scale), __NV_SATFINITE, __NV_E4M3);
-        word |= static_cast<uint32_t>(c) << (8 * i);
+      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
+      if (ue8m0) {
+        const uint32_t b = __float_as_uint(scale);
+        uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
+        e = min(max(e, 1u), 254u);
+        scale = __uint_as_float(e << 23);
       }
-      packed[h] = word;
+      if (g < groups) {
+        __stcs(reinterpret_cast<uint2*>(codes + g * 128 + sub * 8), EncodeEight(v[u], scale, ue8m0));
+        if (sub == 0) scales[g] = scale;
+      }
     }
-    *reinterpret_cast<uint2*>(codes + base) = make_uint2(packed[0], packed[1]);
-    if (sub == 0) scales[g] = scale;
   }
 }
 
@@ -73,7 +109,7 @@ ffi::Error QuantizeFp8GroupsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Res
   int sms = 132, dev = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int blocks = static_cast<int>(std::min<int64_t>((groups + 15) / 16, static_cast<int64_t>(sms) * 8));
+  const int blocks = static_cast<int>(std::min<int64_t>((groups + 16 * kUnroll - 1) / (16 * kUnroll), static_cast<int64_t>(sms) * kBlocksPerSm));
   auto* codes = static_cast<uint8_t*>(q->untyped_data());
   auto* scales = static_cast<float*>(s->untyped_data());
   if (x.element_type() == ffi::BF16) {

@@ -164,11 +164,11 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
     return Invalid("w4a8_grouped_gemm", "scratch output too small for the tile plan (" +
                                             std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");
   auto* base = static_cast<uint8_t*>(scratch->untyped_data());
-  p.sx = reinterpret_cast<const float*>(base);
+  p.sx_src = x_scale.untyped_data();
+  p.sx_kind = ActScaleKindOf(d.x_scale_kind);
+  p.sx = reinterpret_cast<float*>(base);
   p.split_ws = reinterpret_cast<float*>(base + (HopperGemmScratchBytes(d.m, 1, d.n, d.k, 1)));
-  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(), ActScaleKindOf(d.x_scale_kind),
-                                            reinterpret_cast<float*>(base), d.m, 1, d.groups, stream);
-  if (err == cudaSuccess) err = LaunchHopperGemm(p, stream);
+  const cudaError_t err = LaunchHopperGemm(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("w4a8_grouped_gemm: tensor-core kernel failed: ") + cudaGetErrorString(err));
   return ffi::Error::Success();

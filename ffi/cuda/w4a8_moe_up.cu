@@ -33,11 +33,11 @@ ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   if (d.m == 0) return ffi::Error::Success();
   const size_t need = HopperGemmScratchBytes(d.m, 1, inter, d.k, 1);
   if (scratch->size_bytes() < need) return Invalid("w4a8_moe_up", "scratch output too small for the tile plan");
-  auto* sx = static_cast<float*>(scratch->untyped_data());
-  p.sx = sx;
-  cudaError_t err = PrepareActivationScales(x_scale.untyped_data(), ActScaleKindOf(d.x_scale_kind), sx, d.m, 1,
-                                            d.groups, stream);
-  if (err == cudaSuccess && static_scale)
+  p.sx_src = x_scale.untyped_data();
+  p.sx_kind = ActScaleKindOf(d.x_scale_kind);
+  p.sx = static_cast<float*>(scratch->untyped_data());
+  cudaError_t err = cudaSuccess;
+  if (static_scale)
     err = cudaMemcpyAsync(h_scale->untyped_data(), down_scale.untyped_data(), sizeof(float),
                           cudaMemcpyDeviceToDevice, stream);
   if (err == cudaSuccess) err = LaunchHopperGemm(p, stream);
