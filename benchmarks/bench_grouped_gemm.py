@@ -75,7 +75,8 @@ def run(args):
             xs = jax.random.uniform(jax.random.fold_in(key, m + 1), (m, g), jnp.float32, 0.5, 1.5)
             plan = tiling.plan_grouped_gemm(m, E, n, k)
             ours = jax.jit(ops.w4a8_grouped_gemm)
-            r = dict(shape=shape, M=m, routing=routing, N=n, K=k, plan=f"t{plan.tile_tokens}/s{plan.split_k}")
+            r = dict(shape=shape, M=m, routing=routing, N=n, K=k,
+                     plan=f"t{plan.tile_tokens}/s{plan.split_k}" + ("/f16" if plan.mma == "f16" else ""))
             t = C.bench(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)])
             got = ours(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
             simple = ops.w4a8_grouped_gemm(x8, xs, w4[0], ws[0], sizes, tile_tokens=0).astype(jnp.float32)
@@ -87,6 +88,12 @@ def run(args):
                 if alt != plan.tile_tokens:
                     f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, tile_tokens=alt))
                     r[f"t{alt}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
+            if plan.tile_tokens in (16, 32):  # the other tensor-core operand format at this tile
+                other = "e4m3" if plan.mma == "f16" else "f16"
+                f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, mma=other))
+                r[f"mma_{other}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
+                alt_out = f(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
+                r[f"mma_{other}_rel_err_vs_simple"] = float(jnp.linalg.norm(alt_out - simple) / jnp.linalg.norm(simple))
             peers = {}
             if args.peers != "none":
                 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as pm
@@ -176,11 +183,17 @@ def tile_times(r):
     return {k[:-3]: v for k, v in r.items() if re.fullmatch(r"t\d+_us", k)}
 
 
+def mma_times(r):
+    """The other tensor-core operand format timed for row ``r``: {"f16": us} or {"e4m3": us}."""
+    return {k[4:-3]: v for k, v in r.items() if re.fullmatch(r"mma_[a-z0-9]+_us", k)}
+
+
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
     fused = (f" | fused up {r['fused_up_us']:.0f} us vs unfused {r['unfused_up_us']:.0f} us"
              if "fused_up_us" in r else "")
     tiles = "".join(f" | {k} {v:.0f} us" for k, v in tile_times(r).items())
+    tiles += "".join(f" | {k} MMA {v:.0f} us" for k, v in mma_times(r).items())
     return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
             f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}{tiles}")
@@ -189,7 +202,7 @@ def fmt_row(r):
 def report(payload, out):
     rows = payload["rows"]
     cols = (["shape", "M", "routing", "plan", "us", "TFLOP/s", "weight GB/s", "% copy BW"] + [f"vs {p}" for p in PEERS]
-            + ["fused up-proj us (unfused)", "other token tiles us"])
+            + ["fused up-proj us (unfused)", "other token tiles us", "other MMA us"])
     md = []
     for r in rows:
         d = {"shape": r["shape"], "M": r["M"], "routing": r["routing"], "plan": r["plan"],
@@ -201,12 +214,14 @@ def report(payload, out):
         if "fused_up_us" in r:
             d["fused up-proj us (unfused)"] = f"{r['fused_up_us']:.0f} ({r['unfused_up_us']:.0f})"
         d["other token tiles us"] = " ".join(f"{k}: {v:.0f}" for k, v in tile_times(r).items())
+        d["other MMA us"] = " ".join(f"{k}: {v:.0f}" for k, v in mma_times(r).items())
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
             f"`{payload.get('command', 'python benchmarks/bench_grouped_gemm.py')}`; copy bandwidth "
             f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; `vs X` is X's time over ours (higher is better for "
-            "us); plan = token tile / split-K from `jax_w4a8.tiling`; other token tiles: the same call forced to "
-            "another tile (the heuristic's alternatives).\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
+            "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`; other token tiles: the same call "
+            "forced to another tile (the heuristic's alternatives); other MMA: the same call with the other "
+            "tensor-core operand format (`mma=`, token tiles 16 and 32).\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
     C.update_results_section("W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1)", body)
     plot(payload, C.HERE / "grouped_gemm.png")
     if out:

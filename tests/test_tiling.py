@@ -64,3 +64,15 @@ def test_fused_plan_caps_tile_and_never_splits():
     assert plan.tile_tokens == 64 and plan.split_k == 1
     with pytest.raises(ValueError, match="tile_tokens"):
         tiling.plan_moe_up(64, 32, 2048, 7168, tile_tokens=128)
+
+
+def test_mma_format_follows_the_tile():
+    # f16 operands at 16-row (decode) tiles, e4m3 from 32 rows; an explicit choice is kept or refused.
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).mma == "f16"
+    assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS).mma == "e4m3"
+    assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS).mma == "e4m3"
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
+    assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS, mma="f16").mma == "f16"
+    with pytest.raises(ValueError, match="'mma'"):
+        tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS, mma="f16")
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=0, num_sms=SMS).mma == "e4m3"

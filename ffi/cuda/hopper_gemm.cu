@@ -46,7 +46,7 @@ struct KernelArgs {
   int64_t groups;
 };
 
-template <int kTok, bool kInt4, int kParts = 1>
+template <int kTok, bool kInt4, int kParts = 1, bool kF16 = false>
 struct Layout {
   static constexpr int kWPartBytes = kFeatTile * (kInt4 ? kKGroup / 2 : kKGroup);
   static constexpr int kWBytes = kParts * kWPartBytes;  // gate and up tiles when fused
@@ -55,7 +55,11 @@ struct Layout {
   // multiple of 4, since TMA needs the innermost start 16-byte aligned (expert tiles start anywhere).
   static constexpr int kSxBox = kTok + 4;
   static constexpr int kSxBytes = (kSxBox * 4 + 127) / 128 * 128;
-  static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
+  // f16 MMA path: the activations again as f16 in the K order of the weight fragments (see ConvertX),
+  // eight K16 steps of [kTok x 16] in 8 x 16-byte core matrices.
+  static constexpr int kXhOffset = kWBytes + kXBytes + kSxBytes;
+  static constexpr int kXhBytes = kF16 ? 8 * kTok * 32 : 0;
+  static constexpr int kStageBytes = (kXhOffset + kXhBytes + 1023) / 1024 * 1024;
   static constexpr int kRedBytes = kParts == 2 ? 8 * kTok * 4 : 0;  // per-warp token maxima (fused epilogue)
 };
 
@@ -70,6 +74,59 @@ __device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
   const uint32_t sel = ((nibbles >> 1) & 0x4444u) | 0x3210u;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(pos), "r"(neg), "r"(sel));
   return out;
+}
+
+// Eight int4 codes (one 32-bit word, code j in nibble j) -> four f16x2, exactly, with 5 integer and 4
+// f16 instructions (the integer pipe is what limits decode): f[0] = (code 0, code 4), f[1] = (1, 5),
+// f[2] = (2, 6), f[3] = (3, 7). A masked nibble n, xor 8 (v + 8, in [0, 16)), or'ed into the mantissa
+// of 1024.0 gives 1024 + (v + 8) (or 1024 + 16 (v + 8) one nibble up); one f16 op maps it to v.
+__device__ __forceinline__ void Int4x8ToF16(uint32_t w, uint32_t (&f)[4]) {
+  const uint32_t w2 = w >> 8;
+  uint32_t lo0, hi0, lo1, hi1;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(lo0) : "r"(w), "r"(0x000F000Fu), "r"(0x64086408u));
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(hi0) : "r"(w), "r"(0x00F000F0u), "r"(0x64806480u));
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(lo1) : "r"(w2), "r"(0x000F000Fu), "r"(0x64086408u));
+  asm("lop3.b32 %0, %1, %2, %3, 0x6a;" : "=r"(hi1) : "r"(w2), "r"(0x00F000F0u), "r"(0x64806480u));
+  // 1032 = 0x6408, 1 / 16 = 0x2C00, -72 = 0xD480 (all exact; results are small integers).
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(f[0]) : "r"(lo0), "r"(0x64086408u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(f[1]) : "r"(hi0), "r"(0x2C002C00u), "r"(0xD480D480u));
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(f[2]) : "r"(lo1), "r"(0x64086408u));
+  asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(f[3]) : "r"(hi1), "r"(0x2C002C00u), "r"(0xD480D480u));
+}
+
+// Two e4m3 codes (bits 0..15) -> f16x2, exactly (low byte -> low half).
+__device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t v) {
+  uint32_t out;
+  asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(out) : "r"(v));
+  return out;
+}
+
+// f16 MMA path, the K order. Thread c = lane % 4 of a fragment row holds that row's int4 codes
+// [32 c, 32 c + 32) of each 128-K group, as four words t (codes 32 c + 8 t + j, j < 8); word t gives
+// K16 steps 2 t and 2 t + 1 (Int4x8ToF16 pairs codes j and j + 4). So at step s = 2 t + h, logical
+// column 2 c + e of the step is code 32 c + 8 t + 2 h + 4 e, and column 8 + 2 c + e is code
+// 32 c + 8 t + 2 h + 1 + 4 e. ConvertX writes the activations in that order: x as e4m3 [kTok][128]
+// (TMA, no swizzle) -> f16 [step][token / 8][column / 8][token % 8][column % 8]; descriptor LBO 128
+// (between the two column halves), SBO 256 (between groups of 8 tokens). Run by the producer
+// warpgroup's three otherwise idle warps (96 threads); task (token n, word t) covers 32 codes.
+template <int kTok>
+__device__ __forceinline__ void ConvertX(const uint8_t* x_tile, uint8_t* xh, int helper) {
+  const uint32_t x0 = sm90::SmemAddr(x_tile), h0 = sm90::SmemAddr(xh);
+  for (int task = helper; task < kTok * 4; task += 96) {
+    const int n = task / 4, t = task % 4;
+    const uint32_t row = h0 + static_cast<uint32_t>((n >> 3) * 256 + (n & 7) * 16);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const uint2 b = sm90::LdShared64(x0 + n * 128 + 32 * c + 8 * t);  // codes 32 c + 8 t + [0, 8)
+      const uint32_t pa = __byte_perm(b.x, b.y, 0x5140);                 // j = 0, 4, 1, 5
+      const uint32_t pb = __byte_perm(b.x, b.y, 0x7362);                 // j = 2, 6, 3, 7
+      const uint32_t s0 = row + (2 * t) * (kTok * 32) + 4 * c, s1 = s0 + kTok * 32;
+      sm90::StShared32(s0, E4m3x2ToF16x2(pa));                // step 2 t, columns 2 c + e
+      sm90::StShared32(s0 + 128, E4m3x2ToF16x2(pa >> 16));    // step 2 t, columns 8 + 2 c + e
+      sm90::StShared32(s1, E4m3x2ToF16x2(pb));                // step 2 t + 1
+      sm90::StShared32(s1 + 128, E4m3x2ToF16x2(pb >> 16));
+    }
+  }
 }
 
 // Index of weight scale (b, row f, group 0); group g is at + g. Rows past the weights clamp.
@@ -215,6 +272,12 @@ __device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t
 }
 
 template <int kTok>
+__device__ __forceinline__ void WgmmaF16Rs(float (&d)[kTok / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
+  if constexpr (kTok == 16) sm90::WgmmaF16RsN16(d, a, b, scale_d);
+  else sm90::WgmmaF16RsN32(d, a, b, scale_d);
+}
+
+template <int kTok>
 __device__ __forceinline__ void WgmmaRs(float (&d)[kTok / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
   if constexpr (kTok == 16) sm90::WgmmaE4m3RsN16(d, a, b, scale_d);
   else if constexpr (kTok == 32) sm90::WgmmaE4m3RsN32(d, a, b, scale_d);
@@ -289,18 +352,19 @@ struct Occupancy {
 
 // Groups in flight per consumer warpgroup: two (the next group's operand is built and its MMAs issued
 // while the current one runs) where the second accumulator and A fragments fit the register budget.
-template <int kTok, bool kInt4, int kParts>
+template <int kTok, bool kInt4, int kParts, bool kF16 = false>
 struct Pipeline {
-  // Registers of two slots: accumulators, running total and (int4) A fragments.
-  static constexpr int kRegs = 3 * kParts * (kTok / 2) + (kInt4 ? 2 * kParts * 16 : 0);
+  // Registers of two slots: accumulators, running total and (int4) A fragments (twice as many as f16).
+  static constexpr int kRegs = 3 * kParts * (kTok / 2) + (kInt4 ? 2 * kParts * (kF16 ? 32 : 16) : 0);
   static constexpr int kDepth = kRegs <= (Occupancy<kTok, kParts>::kBlocksPerSm == 2 ? 56 : 160) ? 2 : 1;
 };
 
-template <int kTok, bool kInt4, int kParts>
+template <int kTok, bool kInt4, int kParts, bool kF16>
 __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
-  using L = Layout<kTok, kInt4, kParts>;
+  static_assert(!kF16 || (kInt4 && kParts == 1 && kTok <= 32), "the f16 path is for plain int4 decode tiles");
+  using L = Layout<kTok, kInt4, kParts, kF16>;
   const HopperGemmParams& p = args.p;
   const int stages = args.stages;
   const int64_t groups = args.groups;
@@ -310,9 +374,10 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + static_cast<size_t>(stages) * L::kStageBytes);
   uint64_t* empty = full + stages;
+  uint64_t* xready = empty + stages;  // f16 path: the stage's activations are converted
   UnitTable table;
   table.nb = static_cast<int>(p.b) + ((p.group_sizes != nullptr && p.split_k == 1) ? 1 : 0);
-  table.prefix = reinterpret_cast<int64_t*>(empty + stages);
+  table.prefix = reinterpret_cast<int64_t*>(xready + stages);
   table.start = reinterpret_cast<int32_t*>(table.prefix + table.nb + 1);
   table.end = table.start + table.nb;
   float* red = reinterpret_cast<float*>(table.end + table.nb + 4);  // 16-byte aligned: nb int32 pairs
@@ -320,7 +385,8 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       sm90::MbarInit(&full[s], 1);
-      sm90::MbarInit(&empty[s], 8);  // one arrival per consumer warp
+      sm90::MbarInit(&empty[s], 8);   // one arrival per consumer warp
+      sm90::MbarInit(&xready[s], 3);  // one arrival per converting warp
     }
     sm90::FenceBarrierInit();
   }
@@ -337,6 +403,27 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   if (wg == 0) {
     // ------------------------------------------------------------------------------- producer
     sm90::ReleaseNReg<Occupancy<kTok, kParts>::kProducerRegs>();
+    if constexpr (kF16) {
+      if (threadIdx.x >= 32) {  // warps 1..3: the activations to f16, stage by stage, as they land
+        const int lane = threadIdx.x % 32;
+        int stage = 0;
+        uint32_t phase = 0;
+        WorkCursor work(p, total_units, groups);
+        for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
+          if (t.zero) continue;
+          for (int64_t g = t.g0; g < t.g1; ++g) {
+            sm90::MbarWait(&full[stage], phase);
+            uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
+            ConvertX<kTok>(st + L::kWBytes, st + L::kXhOffset, threadIdx.x - 32);
+            sm90::FenceProxyAsyncShared();
+            __syncwarp();
+            sm90::MbarArriveIf(&xready[stage], lane == 0);
+            if (++stage == stages) { stage = 0; phase ^= 1; }
+          }
+        }
+        return;
+      }
+    }
     if (threadIdx.x != 0) return;
     int stage = 0;
     uint32_t phase = 0;
@@ -364,7 +451,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
 
   // --------------------------------------------------------------------------------- consumers
   sm90::SetMaxNReg<Occupancy<kTok, kParts>::kConsumerRegs>();
-  constexpr int kPipe = Pipeline<kTok, kInt4, kParts>::kDepth;
+  constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16>::kDepth;
   const int cw = wg - 1;                 // consumer warpgroup: weight rows [64 cw, 64 cw + 64)
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
@@ -391,7 +478,8 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
     float pre[2][kParts][2] = {};
     float sw[kPipe][kParts][2];
     float acc[kPipe][kParts][kTok / 2];
-    uint32_t afrag[kPipe][kParts][4][4];  // int4 path: this thread's e4m3 A fragments, 4 K steps of 32
+    // int4 paths: this thread's A fragments, 4 K steps of 32 (e4m3) or 8 K16 steps (f16).
+    uint32_t afrag[kPipe][kParts][kF16 ? 8 : 4][4];
     int slot_stage[kPipe];
     int64_t sw_base[kParts][2];
 #pragma unroll
@@ -423,10 +511,37 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
 #pragma unroll
       for (int part = 0; part < kParts; ++part) sw[S][part][0] = pre[J][part][0], sw[S][part][1] = pre[J][part][1];
       sm90::MbarWait(&full[stage], phase);
+      if constexpr (kF16) sm90::MbarWait(&xready[stage], phase);  // and its activations are f16
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       const uint8_t* x_tile = st + L::kWBytes;
       slot_stage[S] = stage;
       if (++stage == stages) { stage = 0; phase ^= 1; }
+      if constexpr (kF16) {
+        // Rows r and r + 8: this thread's 16 bytes (codes [32 c, 32 c + 32)) of each, 4 words -> 8 K16
+        // steps (order in ConvertX).
+        const uint32_t base = sm90::SmemAddr(st) + frag_row * 64 + ((static_cast<uint32_t>(lane % 4) ^ frag_swz) * 16);
+        const uint4 qa = sm90::LdShared128(base);
+        const uint4 qb = sm90::LdShared128(base + 8 * 64);
+        const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+        for (int t4 = 0; t4 < 4; ++t4) {
+          uint32_t fa[4], fb[4];
+          Int4x8ToF16(wa[t4], fa);
+          Int4x8ToF16(wb[t4], fb);
+          afrag[S][0][2 * t4][0] = fa[0], afrag[S][0][2 * t4][1] = fb[0];
+          afrag[S][0][2 * t4][2] = fa[1], afrag[S][0][2 * t4][3] = fb[1];
+          afrag[S][0][2 * t4 + 1][0] = fa[2], afrag[S][0][2 * t4 + 1][1] = fb[2];
+          afrag[S][0][2 * t4 + 1][2] = fa[3], afrag[S][0][2 * t4 + 1][3] = fb[3];
+        }
+        sm90::WgmmaFence();
+        const uint32_t xh = sm90::SmemAddr(st + L::kXhOffset);
+#pragma unroll
+        for (int step = 0; step < 8; ++step)
+          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], sm90::DescNoSwizzle(xh + step * (kTok * 32), 128, 256),
+                           step > 0);
+        sm90::WgmmaCommit();
+        return;
+      }
       if constexpr (kInt4) {
         // int4 -> e4m3 straight into the wgmma A fragments: per K step one 16-byte chunk of each of the
         // two rows; bytes 2c, 2c + 1 of each 8-byte half are this thread's 4 + 4 codes.
@@ -634,16 +749,16 @@ DeviceInfo CurrentDevice() {
 
 size_t TableBytes(int64_t nb) { return static_cast<size_t>(nb + 1) * 8 + static_cast<size_t>(nb) * 8; }
 
-template <int kTok, bool kInt4, int kParts>
+template <int kTok, bool kInt4, int kParts, bool kF16 = false>
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
-  using L = Layout<kTok, kInt4, kParts>;
+  using L = Layout<kTok, kInt4, kParts, kF16>;
   const int64_t nb = p.b + 1;
   const size_t fixed = 1024 + TableBytes(nb) + 16 + L::kRedBytes;
   constexpr int kBlocks = Occupancy<kTok, kParts>::kBlocksPerSm;
   const size_t budget = std::min(kSmemBudget / kBlocks - (kBlocks - 1) * 2048, dev.smem_optin);
-  int stages = static_cast<int>((budget - fixed - 16 * 8) / (L::kStageBytes + 16));
+  int stages = static_cast<int>((budget - fixed - 24 * 8) / (L::kStageBytes + 24));  // + 3 mbarriers
   stages = std::max(2, std::min(stages, 8));
-  const size_t smem = static_cast<size_t>(stages) * (L::kStageBytes + 16) + fixed;
+  const size_t smem = static_cast<size_t>(stages) * (L::kStageBytes + 24) + fixed;
   if (smem > dev.smem_optin) return cudaErrorInvalidConfiguration;
 
   CUtensorMap map_w, map_x, map_sx;
@@ -652,12 +767,12 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, w_rows, p.b, kInt4 ? kKGroup / 2 : kKGroup,
                      kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
   ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.x, p.k, p.h, p.m, kKGroup, 1, kTok,
-                      CU_TENSOR_MAP_SWIZZLE_128B);
+                      kF16 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B);
   ok = ok && Encode3d(&map_sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.sx, p.mp, p.h, p.k / kKGroup, L::kSxBox, 1, 1,
                       CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
 
-  auto kernel = HopperGemmKernel<kTok, kInt4, kParts>;
+  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16>;
   // The shared-memory opt-in once per device (to the device's limit): a host call saved on every launch.
   static std::mutex mu;
   static bool opted_in[64] = {};
@@ -687,6 +802,15 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
 
 template <bool kInt4>
 cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
+  if constexpr (kInt4) {
+    if (p.int4_f16) {
+      switch (p.tile_tokens) {
+        case 16: return Launch<16, true, 1, true>(p, stream, dev);
+        case 32: return Launch<32, true, 1, true>(p, stream, dev);
+        default: return cudaErrorInvalidValue;
+      }
+    }
+  }
   switch (p.tile_tokens) {
     case 16: return Launch<16, kInt4, 1>(p, stream, dev);
     case 32: return Launch<32, kInt4, 1>(p, stream, dev);
@@ -717,6 +841,9 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   }
   if (p.tile_tokens != 16 && p.tile_tokens != 32 && p.tile_tokens != 64 && p.tile_tokens != 128) {
     *why = "tile_tokens must be 16, 32, 64 or 128"; return false;
+  }
+  if (p.int4_f16 && (!p.w_int4 || p.fused_up || p.tile_tokens > 32)) {
+    *why = "the f16 MMA path needs int4 weights, no fusion and tile_tokens <= 32"; return false;
   }
   if (p.fused_up && (!p.w_int4 || p.split_k != 1 || p.tile_tokens > 64 || p.f % kFeatTile)) {
     *why = "the fused up-projection needs int4 weights, split_k 1, tile_tokens <= 64 and I % 128 == 0";

@@ -41,6 +41,9 @@ struct HopperGemmParams {
   int64_t m, h, f, k, b, mp;
   int split_k;                 // K groups split across this many units (fp32 atomics + a finish pass)
   int tile_tokens;             // 16, 32, 64 or 128
+  // int4 weights: MMA in f16 (int4 -> f16 costs half the integer instructions of int4 -> e4m3; the
+  // activations go to f16 once per stage) instead of e4m3; tile_tokens 16 or 32, not fused.
+  bool int4_f16 = false;
   // Fused MoE up-projection (w4a8 only, split_k 1, tile_tokens <= 64): the weights hold gate rows
   // [0, F) and up rows [up_offset, up_offset + F); out receives e4m3 codes of silu(gate) * up [M, F]
   // quantized per tensor by *down_scale, or per token and 128 channels with UE8M0 scales written to

@@ -66,6 +66,20 @@ __device__ __forceinline__ uint4 LdShared128(uint32_t addr) {
   return v;
 }
 
+__device__ __forceinline__ uint2 LdShared64(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(addr));
+  return v;
+}
+__device__ __forceinline__ void StShared32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+
+// Shared-memory writes of this thread (generic proxy) made visible to later wgmma reads (async proxy).
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // ----------------------------------------------------------------------------------------- TMA
 __device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
@@ -97,6 +111,15 @@ __device__ __forceinline__ uint64_t DescSw128(const void* tile, uint32_t k_byte_
   desc |= uint64_t{1024 >> 4} << 32;     // stride byte offset: 8 rows x 128 B
   desc |= uint64_t{1} << 62;             // layout: 128-byte swizzle
   return desc;
+}
+
+// Shared-memory matrix descriptor: K-major, no swizzle (8 x 16-byte core matrices), core matrices
+// lbo bytes apart along K and sbo bytes apart along M/N.
+__device__ __forceinline__ uint64_t DescNoSwizzle(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  uint64_t desc = (addr & 0x3FFFF) >> 4;
+  desc |= uint64_t{lbo >> 4} << 16;
+  desc |= uint64_t{sbo >> 4} << 32;
+  return desc;  // layout type 0: no swizzle
 }
 
 template <uint32_t kRegs>
@@ -251,6 +274,36 @@ __device__ __forceinline__ void WgmmaE4m3RsN128(float (&d)[64], const uint32_t (
         "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
         "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
         "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+// f16 x f16 -> f32 with A in registers: per thread four f16x2, rows r = 16 * warp + lane / 4 and r + 8,
+// K columns 2 * (lane % 4) + {0, 1} and + 8: a[0] = (r, k), a[1] = (r + 8, k), a[2] = (r, k + 8),
+// a[3] = (r + 8, k + 8); B K-major in shared memory (descriptor).
+
+// D[64 x 16] (+)= A[64 x 16] * B[16 x 16]^T.
+__device__ __forceinline__ void WgmmaF16RsN16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7"
+      "}, {%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
+// D[64 x 32] (+)= A[64 x 16] * B[32 x 16]^T.
+__device__ __forceinline__ void WgmmaF16RsN32(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3, %4, %5, %6, %7, "
+      "%8, %9, %10, %11, %12, %13, %14, %15"
+      "}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
 }
 }  // namespace sm90

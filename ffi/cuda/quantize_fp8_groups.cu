@@ -18,20 +18,40 @@ namespace {
 constexpr int kUnroll = 2;       // groups per 16-thread team and iteration: both loads in flight first
 constexpr int kBlocksPerSm = 6;  // resident at <= 40 registers: the grid is exactly one wave
 
+// Eight consecutive inputs of one group, as loaded (kept raw until used: fewer registers in flight).
 template <bool kBf16>
-__device__ __forceinline__ void LoadEight(const void* x, int64_t base, float (&v)[8]) {
+struct Raw {
+  uint4 a;
+};
+template <>
+struct Raw<false> {
+  float4 a, b;
+};
+
+template <bool kBf16>
+__device__ __forceinline__ Raw<kBf16> LoadRaw(const void* x, int64_t base) {
+  Raw<kBf16> r;
   if constexpr (kBf16) {
-    const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + base));
-    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    r.a = __ldcs(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + base));
+  } else {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + base);
+    r.a = __ldcs(p);
+    r.b = __ldcs(p + 1);
+  }
+  return r;
+}
+
+template <bool kBf16>
+__device__ __forceinline__ void Unpack(const Raw<kBf16>& r, float (&v)[8]) {
+  if constexpr (kBf16) {
+    const uint32_t w[4] = {r.a.x, r.a.y, r.a.z, r.a.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       v[2 * i] = __uint_as_float(w[i] << 16);
       v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
     }
   } else {
-    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + base);
-    const float4 a = __ldcs(p), b = __ldcs(p + 1);
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+    v[0] = r.a.x, v[1] = r.a.y, v[2] = r.a.z, v[3] = r.a.w, v[4] = r.b.x, v[5] = r.b.y, v[6] = r.b.z, v[7] = r.b.w;
   }
 }
 
@@ -60,29 +80,27 @@ __device__ __forceinline__ uint2 EncodeEight(const float (&v)[8], float scale, b
 
 template <bool kBf16>
 __global__ void __launch_bounds__(256, kBlocksPerSm) QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales,
-                                                            int64_t groups, bool ue8m0) {
+                                                                        int64_t groups, bool ue8m0) {
   const int sub = threadIdx.x % 16;  // 16 threads x 8 values = one group
   const int64_t teams = static_cast<int64_t>(gridDim.x) * (blockDim.x / 16);
   const int64_t team = blockIdx.x * static_cast<int64_t>(blockDim.x / 16) + threadIdx.x / 16;
   // Team t takes groups t + j * teams for j < kUnroll, then moves on by kUnroll * teams.
   for (int64_t g0 = team; g0 < groups; g0 += kUnroll * teams) {
-    float v[kUnroll][8];
+    Raw<kBf16> raw[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t g = g0 + u * teams;
-      if (g < groups) {
-        LoadEight<kBf16>(x, g * 128 + sub * 8, v[u]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[u][i] = 0.0f;
-      }
+      if (g < groups) raw[u] = LoadRaw<kBf16>(x, g * 128 + sub * 8);
+      else raw[u] = Raw<kBf16>{};
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t g = g0 + u * teams;
+      float v[8];
+      Unpack<kBf16>(raw[u], v);
       float amax = 0.0f;
 #pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[u][i]));
+      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
       for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
       float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
@@ -93,7 +111,7 @@ __global__ void __launch_bounds__(256, kBlocksPerSm) QuantizeGroupsKernel(const 
         scale = __uint_as_float(e << 23);
       }
       if (g < groups) {
-        __stcs(reinterpret_cast<uint2*>(codes + g * 128 + sub * 8), EncodeEight(v[u], scale, ue8m0));
+        __stcs(reinterpret_cast<uint2*>(codes + g * 128 + sub * 8), EncodeEight(v, scale, ue8m0));
         if (sub == 0) scales[g] = scale;
       }
     }

@@ -145,16 +145,18 @@ ffi::Error LaunchSimple(cudaStream_t stream, const GroupedGemmDims& d, const ffi
 ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                                ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch,
-                               int32_t tile_tokens, int32_t split_k) {
+                               int32_t tile_tokens, int32_t split_k, int32_t mma) {
   GroupedGemmDims d;
   if (auto err = CheckGroupedGemm(x, x_scale, w, w_scale, group_sizes, *out, &d); err.failure())
     return err;
   if (split_k < 1 || split_k > d.groups) return Invalid("w4a8_grouped_gemm", "split_k must be in [1, K/128]");
+  if (mma != 0 && mma != 1) return Invalid("w4a8_grouped_gemm", "mma must be 0 (e4m3) or 1 (f16)");
   if (d.m == 0) return ffi::Error::Success();
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
 
   HopperGemmParams p = GroupedInt4Params(d, x, w, w_scale, group_sizes, out->untyped_data(), d.n, tile_tokens,
                                          split_k);
+  p.int4_f16 = mma == 1;
   const char* why = nullptr;
   if (!HopperGemmSupported(p, &why)) {  // e.g. not a Hopper GPU: the simple kernel is always correct
     return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
@@ -188,5 +190,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8GroupedGemmCuda, jax_w4a8::W4a8GroupedGemmC
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>()   // scratch (uint8, size from jax_w4a8.tiling)
                                   .Attr<int32_t>("tile_tokens")
-                                  .Attr<int32_t>("split_k"),
+                                  .Attr<int32_t>("split_k")
+                                  .Attr<int32_t>("mma"),  // 0: e4m3 MMA, 1: f16 MMA
                               {xla::ffi::Traits::kCmdBufferCompatible});
