@@ -8,6 +8,9 @@
 //                fp32. int4 weights are converted to e4m3 in registers, straight into wgmma's A
 //                fragments (no shared-memory round trip, no proxy fence, no barrier); where registers
 //                allow, two groups are in flight per warpgroup (ping-pong accumulators).
+//   f16 MMA path (int4 weights, int4_f16, token tiles 16 / 32): the consumers convert int4 to f16
+//                instead (fewer integer instructions), warps 1..3 of the producer warpgroup convert each
+//                activation tile to f16 in the matching K order (ConvertX) and signal xready.
 // Units of work (batch, token tile, feature tile, K split) are numbered on the device from
 // group_sizes, so nothing waits for the host and any group_sizes content is safe (clamped as in
 // common/groups.h). Without split-K the blocks take whole units in turn: each rounds and stores its

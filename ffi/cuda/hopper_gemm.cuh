@@ -4,8 +4,8 @@
 // Problem, for each batch b (an expert of the grouped GEMM, or a head of the per-head einsum):
 //   out[m, head, f] = sum_g sx[g, head, m] * sw(b, f, g) * sum_{k in g} x[m, head, k] * w[b, f, k]
 // with m over the batch's token rows: [start_b, end_b) from the clamped group sizes (grouped, H == 1,
-// head 0), or [0, M) for every head (einsum, B == H, head b). Weights are packed int4 (converted to
-// fp8 exactly in shared memory) or e4m3.
+// head 0), or [0, M) for every head (einsum, B == H, head b). Weights are packed int4 (converted
+// exactly in registers, to e4m3 for an fp8 MMA or to f16 for an f16 MMA) or e4m3.
 #pragma once
 
 #include <cuda_runtime.h>
