@@ -104,6 +104,14 @@ def copy_bandwidth():
     return max(best.values()), best
 
 
+def harness_floor():
+    """Seconds per call that the device loop of :func:`bench` costs by itself: a 128-element XLA op
+    timed the same way (launches, the chaining barriers and the per-call accumulate). Ops that take
+    a few microseconds on the GPU measure about this much; it matters for the smallest shapes."""
+    x = jnp.ones((128,), jnp.bfloat16)
+    return bench(jax.jit(lambda v: v * 2), [(x,)])
+
+
 def have_torch():
     try:
         import torch

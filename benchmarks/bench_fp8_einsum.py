@@ -39,6 +39,8 @@ def run(args):
 
     bw, detail = C.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s {({k: round(v / 1e12, 2) for k, v in detail.items()})}", flush=True)
+    floor = C.harness_floor()
+    print(f"timing harness floor {floor * 1e6:.1f} us per call", flush=True)
     key = jax.random.key(0)
     rows = []
     ms = MS_QUICK if args.quick else MS_FULL
@@ -122,7 +124,7 @@ def run(args):
             r["xla_jnp_quantizer_us"], r["x_xla_jnp_quantizer"] = tp * 1e6, tp / t
         rows.append(r)
         print(fmt_row(r), flush=True)
-    return dict(copy_bw=bw, copy_bw_detail=detail, rows=rows)
+    return dict(copy_bw=bw, copy_bw_detail=detail, harness_floor_us=floor * 1e6, rows=rows)
 
 
 PEERS = ["xla_fp8_per_tensor", "xla_bf16", "dequant_bf16_matmul", "xla_jnp_quantizer"]
@@ -149,7 +151,10 @@ def report(payload):
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
             f"`{payload.get('command', 'python benchmarks/bench_fp8_einsum.py')}`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
-            "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours.\n\n"
+            "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours."
+            + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
+               "op measured the same way), included in every time below." if "harness_floor_us" in payload else "")
+            + "\n\n"
             + C.md_table(md, cols) + "\n")
     C.update_results_section("FP8 block-scaled einsum (DeepSeek-V3 linears, per-head products)", body)
 

@@ -54,6 +54,8 @@ def run(args):
     rng = np.random.default_rng(0)
     bw, bw_detail = C.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s {({k: round(v / 1e12, 2) for k, v in bw_detail.items()})}", flush=True)
+    floor = C.harness_floor()
+    print(f"timing harness floor {floor * 1e6:.1f} us per call", flush=True)
     torch_ok = C.have_torch() and not args.no_torch
     ms = MS_QUICK if args.quick else MS_FULL
     configs = PALLAS_CONFIGS[:2] if args.quick else PALLAS_CONFIGS
@@ -136,7 +138,7 @@ def run(args):
             rows.append(r)
             print(fmt_row(r), flush=True)
         del w4, ws, wb, w8t, wi4
-    return dict(copy_bw=bw, copy_bw_detail=bw_detail, rows=rows,
+    return dict(copy_bw=bw, copy_bw_detail=bw_detail, harness_floor_us=floor * 1e6, rows=rows,
                 command="python benchmarks/bench_grouped_gemm.py " + " ".join(sys.argv[1:]))
 
 
@@ -221,7 +223,10 @@ def report(payload, out):
             f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; `vs X` is X's time over ours (higher is better for "
             "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`; other token tiles: the same call "
             "forced to another tile (the heuristic's alternatives); other MMA: the same call with the other "
-            "tensor-core operand format (`mma=`, token tiles 16 and 32).\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
+            "tensor-core operand format (`mma=`, token tiles 16 and 32)."
+            + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
+               "op measured the same way), included in every time below." if "harness_floor_us" in payload else "")
+            + "\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
     C.update_results_section("W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1)", body)
     plot(payload, C.HERE / "grouped_gemm.png")
     if out:
