@@ -383,7 +383,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   table.prefix = reinterpret_cast<int64_t*>(xready + stages);
   table.start = reinterpret_cast<int32_t*>(table.prefix + table.nb + 1);
   table.end = table.start + table.nb;
-  float* red = reinterpret_cast<float*>(table.end + table.nb + 4);  // 16-byte aligned: nb int32 pairs
+  float* red = reinterpret_cast<float*>(table.end + table.nb + 4);  // after the table (float accesses only)
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
