@@ -1,0 +1,69 @@
+"""The built CUDA library's machine code: every Hopper GEMM kernel issues wgmma (SPEC / issue acceptance:
+"the built library's SASS contains QGMMA"), in the operand format its template says.
+
+Reads the library with cuobjdump (the ``nvidia-cuda-cuobjdump`` wheel of the test extra, or one on PATH):
+runs on a machine without a GPU; skips when the CUDA handlers are not built or cuobjdump is missing.
+"""
+
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import jax_w4a8
+
+LIB = next(iter(sorted((pathlib.Path(jax_w4a8.__file__).parent / "_lib").glob("_ffi_cuda*.so"))), None)
+# HopperGemmKernel<kTok, kInt4, kParts, kF16>, mangled: ...HopperGemmKernelILi16ELb1ELi1ELb1EE...
+KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])EE")
+
+
+def _cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/bin/cuobjdump", "nvidia/cuda_cuobjdump/bin/cuobjdump"):
+            path = pathlib.Path(entry) / sub
+            if path.is_file():
+                return str(path)
+    return None
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    if LIB is None:
+        pytest.skip("the CUDA handlers are not built")
+    tool = _cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    sass = subprocess.run([tool, "-sass", str(LIB)], capture_output=True, text=True, timeout=300, check=True).stdout
+    found = {}
+    for chunk in sass.split("Function : ")[1:]:
+        name, _, body = chunk.partition("\n")
+        m = KERNEL.search(name)
+        if m:
+            tok, int4, parts, f16 = int(m[1]), m[2] == "1", int(m[3]), m[4] == "1"
+            found[(tok, int4, parts, f16)] = body
+    return found
+
+
+def test_every_tile_configuration_is_built(kernels):
+    expected = ({(t, False, 1, False) for t in (16, 32, 64, 128)}  # fp8 einsum
+                | {(t, True, 1, False) for t in (16, 32, 64, 128)}  # int4 grouped GEMM, e4m3 MMA
+                | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
+                | {(t, True, 1, True) for t in (16, 32)})  # int4 grouped GEMM, f16 MMA
+    assert set(kernels) == expected
+
+
+def test_kernels_issue_wgmma_in_their_operand_format(kernels):
+    for (tok, int4, parts, f16), body in kernels.items():
+        config = f"tile {tok}, int4 {int4}, parts {parts}, f16 {f16}"
+        if f16:  # f16 x f16 -> f32 warpgroup MMA, k16, N = the token tile
+            assert f"HGMMA.64x{tok}x16.F32" in body, config
+            assert "QGMMA" not in body, config
+        else:  # e4m3 x e4m3 -> f32 warpgroup MMA, k32
+            assert f"QGMMA.64x{tok}x32.F32.E4M3.E4M3" in body, config
+            assert "HGMMA" not in body, config
