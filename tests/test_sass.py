@@ -1,10 +1,13 @@
 """The built CUDA library's machine code: every Hopper GEMM kernel issues wgmma (SPEC / issue acceptance:
 "the built library's SASS contains QGMMA"), in the operand format its template says.
 
-Reads the library with cuobjdump (the ``nvidia-cuda-cuobjdump`` wheel of the test extra, or one on PATH):
-runs on a machine without a GPU; skips when the CUDA handlers are not built or cuobjdump is missing.
+Reads the library with cuobjdump and nvdisasm (the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm``
+wheels of the test extra, or tools on PATH): runs on a machine without a GPU; skips when the CUDA
+handlers are not built or the tools are missing.
 """
 
+import importlib.util
+import os
 import pathlib
 import re
 import shutil
@@ -13,19 +16,28 @@ import sys
 
 import pytest
 
-import jax_w4a8
+import jax_w4a8  # noqa: F401 - the package whose extension is read
 
-LIB = next(iter(sorted((pathlib.Path(jax_w4a8.__file__).parent / "_lib").glob("_ffi_cuda*.so"))), None)
+def _library():
+    """Path of the built CUDA extension (in the source tree or, for an editable install, site-packages)."""
+    try:
+        spec = importlib.util.find_spec("jax_w4a8._lib._ffi_cuda")
+    except ImportError:
+        return None
+    return spec.origin if spec is not None and spec.origin else None
+
+
+LIB = _library()
 # HopperGemmKernel<kTok, kInt4, kParts, kF16>, mangled: ...HopperGemmKernelILi16ELb1ELi1ELb1EE...
 KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])EE")
 
 
-def _cuobjdump():
-    found = shutil.which("cuobjdump")
+def _tool(name):
+    found = shutil.which(name)
     if found:
         return found
     for entry in sys.path:
-        for sub in ("nvidia/cu13/bin/cuobjdump", "nvidia/cuda_cuobjdump/bin/cuobjdump"):
+        for sub in (f"nvidia/cu13/bin/{name}", f"nvidia/cuda_{name}/bin/{name}"):
             path = pathlib.Path(entry) / sub
             if path.is_file():
                 return str(path)
@@ -36,10 +48,12 @@ def _cuobjdump():
 def kernels():
     if LIB is None:
         pytest.skip("the CUDA handlers are not built")
-    tool = _cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    sass = subprocess.run([tool, "-sass", str(LIB)], capture_output=True, text=True, timeout=300, check=True).stdout
+    tool, disasm = _tool("cuobjdump"), _tool("nvdisasm")
+    if tool is None or disasm is None:
+        pytest.skip("cuobjdump / nvdisasm not found (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)")
+    env = dict(os.environ, NVDISASM_PATH=str(pathlib.Path(disasm).parent))
+    sass = subprocess.run([tool, "-sass", str(LIB)], capture_output=True, text=True, timeout=300, check=True,
+                          env=env).stdout
     found = {}
     for chunk in sass.split("Function : ")[1:]:
         name, _, body = chunk.partition("\n")
