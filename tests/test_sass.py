@@ -81,3 +81,35 @@ def test_kernels_issue_wgmma_in_their_operand_format(kernels):
         else:  # e4m3 x e4m3 -> f32 warpgroup MMA, k32
             assert f"QGMMA.64x{tok}x32.F32.E4M3.E4M3" in body, config
             assert "HGMMA" not in body, config
+
+
+# Spill instructions ptxas leaves inside the innermost MMA loop (per 1-2 K groups), with nvcc 13.0 and
+# the 104-register consumers of two blocks per SM: a budget, so that a change which spills more in the
+# hot loop fails here rather than silently slowing the kernel. Unlisted configurations: none allowed.
+HOT_LOOP_SPILL_BUDGET = {
+    (32, False, 1, False): 1,  # fp8 einsum, 32-token tile
+    (32, True, 1, True): 7,  # f16 MMA path, 32-token tile (the plan uses e4m3 there)
+    (32, True, 2, False): 1,  # fused up-projection, 32-token tile
+}
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
+
+
+def _innermost_mma_loop(body):
+    """Instructions of the smallest backward-branch range that contains a wgmma."""
+    ins = [(int(a, 16), text.strip()) for a, text in _INSTRUCTION.findall(body)]
+    loops = []
+    for addr, text in ins:
+        target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
+        if target and int(target.group(1), 16) < addr:
+            loops.append((int(target.group(1), 16), addr))
+    with_mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and "GMMA" in t for a, t in ins)]
+    assert with_mma, "no loop around the wgmma instructions"
+    lo, hi = min(with_mma, key=lambda r: r[1] - r[0])
+    return [t for a, t in ins if lo <= a <= hi]
+
+
+def test_hot_loops_stay_within_their_spill_budget(kernels):
+    for config, body in kernels.items():
+        loop = _innermost_mma_loop(body)
+        spills = sum(1 for t in loop if re.search(r"\b(STL|LDL)\b", t))
+        assert spills <= HOT_LOOP_SPILL_BUDGET.get(config, 0), (config, spills, len(loop))
