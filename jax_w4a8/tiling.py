@@ -42,7 +42,7 @@ import math
 
 import jax
 
-__all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS"]
+__all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "MMAS"]
 
 TILE_TOKENS = (16, 32, 64, 128)
 _FEAT_TILE = 128
@@ -109,7 +109,7 @@ def _busy_experts(m: int, e: int) -> float:
     return e * (1.0 - (1.0 - 1.0 / e) ** m) if e > 0 else 0.0
 
 
-MMAS = ("e4m3", "f16")
+MMAS = ("e4m3", "f16")  # tensor-core operand formats for int4 weights (index = the FFI attribute)
 
 
 def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None,
