@@ -266,6 +266,25 @@ struct WorkCursor {
   }
 };
 
+// Calls f(unit, g, stage, phase) for every (unit, K group) whose stage this block loads, in order
+// (zero-fill units load nothing), advancing the ring of stages: the TMA producer and the f16 path's
+// converting warps walk the same sequence through it.
+template <int kTok, typename F>
+__device__ __forceinline__ void ForEachLoadedGroup(const HopperGemmParams& p, const UnitTable& table,
+                                                   int64_t total_units, int64_t feat_tiles, int64_t groups,
+                                                   int stages, F&& f) {
+  int stage = 0;
+  uint32_t phase = 0;
+  WorkCursor work(p, total_units, groups);
+  for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
+    if (t.zero) continue;
+    for (int64_t g = t.g0; g < t.g1; ++g) {
+      f(t, g, stage, phase);
+      if (++stage == stages) { stage = 0; phase ^= 1; }
+    }
+  }
+}
+
 template <int kTok>
 __device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t b, int scale_d) {
   if constexpr (kTok == 16) sm90::WgmmaE4m3N16(d, a, b, scale_d);
@@ -409,46 +428,34 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
     if constexpr (kF16) {
       if (threadIdx.x >= 32) {  // warps 1..3: the activations to f16, stage by stage, as they land
         const int lane = threadIdx.x % 32;
-        int stage = 0;
-        uint32_t phase = 0;
-        WorkCursor work(p, total_units, groups);
-        for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
-          if (t.zero) continue;
-          for (int64_t g = t.g0; g < t.g1; ++g) {
-            sm90::MbarWait(&full[stage], phase);
-            uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
-            ConvertX<kTok>(st + L::kWBytes, st + L::kXhOffset, threadIdx.x - 32);
-            sm90::FenceProxyAsyncShared();
-            __syncwarp();
-            sm90::MbarArriveIf(&xready[stage], lane == 0);
-            if (++stage == stages) { stage = 0; phase ^= 1; }
-          }
-        }
+        ForEachLoadedGroup<kTok>(p, table, total_units, feat_tiles, groups, stages,
+                                 [&](const Unit&, int64_t, int stage, uint32_t phase) {
+                                   sm90::MbarWait(&full[stage], phase);
+                                   uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
+                                   ConvertX<kTok>(st + L::kWBytes, st + L::kXhOffset, threadIdx.x - 32);
+                                   sm90::FenceProxyAsyncShared();
+                                   __syncwarp();
+                                   sm90::MbarArriveIf(&xready[stage], lane == 0);
+                                 });
         return;
       }
     }
     if (threadIdx.x != 0) return;
-    int stage = 0;
-    uint32_t phase = 0;
-    WorkCursor work(p, total_units, groups);
-    for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
-      if (t.zero) continue;
-      for (int64_t g = t.g0; g < t.g1; ++g) {
-        sm90::MbarWait(&empty[stage], phase ^ 1);
-        uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
-        sm90::MbarArriveExpectTx(&full[stage], L::kWBytes + L::kXBytes + L::kSxBox * 4);
+    ForEachLoadedGroup<kTok>(p, table, total_units, feat_tiles, groups, stages,
+                             [&](const Unit& t, int64_t g, int stage, uint32_t phase) {
+      sm90::MbarWait(&empty[stage], phase ^ 1);
+      uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
+      sm90::MbarArriveExpectTx(&full[stage], L::kWBytes + L::kXBytes + L::kSxBox * 4);
 #pragma unroll
-        for (int part = 0; part < kParts; ++part)
-          sm90::TmaLoad3d(st + part * L::kWPartBytes, &map_w, &full[stage],
-                          static_cast<int>(g * (kInt4 ? kKGroup / 2 : kKGroup)),
-                          static_cast<int>(t.f0 + part * p.up_offset), static_cast<int>(t.b));
-        sm90::TmaLoad3d(st + L::kWBytes, &map_x, &full[stage], static_cast<int>(g * kKGroup), t.head,
-                        static_cast<int>(t.m0));
-        sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
-                        t.head, static_cast<int>(g));
-        if (++stage == stages) { stage = 0; phase ^= 1; }
-      }
-    }
+      for (int part = 0; part < kParts; ++part)
+        sm90::TmaLoad3d(st + part * L::kWPartBytes, &map_w, &full[stage],
+                        static_cast<int>(g * (kInt4 ? kKGroup / 2 : kKGroup)),
+                        static_cast<int>(t.f0 + part * p.up_offset), static_cast<int>(t.b));
+      sm90::TmaLoad3d(st + L::kWBytes, &map_x, &full[stage], static_cast<int>(g * kKGroup), t.head,
+                      static_cast<int>(t.m0));
+      sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
+                      t.head, static_cast<int>(g));
+    });
     return;
   }
 
@@ -516,7 +523,6 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
       sm90::MbarWait(&full[stage], phase);
       if constexpr (kF16) sm90::MbarWait(&xready[stage], phase);  // and its activations are f16
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
-      const uint8_t* x_tile = st + L::kWBytes;
       slot_stage[S] = stage;
       if (++stage == stages) { stage = 0; phase ^= 1; }
       if constexpr (kF16) {
@@ -543,40 +549,41 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
           WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], sm90::DescNoSwizzle(xh + step * (kTok * 32), 128, 256),
                            step > 0);
         sm90::WgmmaCommit();
-        return;
-      }
-      if constexpr (kInt4) {
-        // int4 -> e4m3 straight into the wgmma A fragments: per K step one 16-byte chunk of each of the
-        // two rows; bytes 2c, 2c + 1 of each 8-byte half are this thread's 4 + 4 codes.
+      } else {
+        const uint8_t* x_tile = st + L::kWBytes;
+        if constexpr (kInt4) {
+          // int4 -> e4m3 straight into the wgmma A fragments: per K step one 16-byte chunk of each of the
+          // two rows; bytes 2c, 2c + 1 of each 8-byte half are this thread's 4 + 4 codes.
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
-          const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_row * 64;
+          for (int part = 0; part < kParts; ++part) {
+            const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_row * 64;
 #pragma unroll
-          for (int kc = 0; kc < 4; ++kc) {
-            const uint32_t off = (static_cast<uint32_t>(kc) ^ frag_swz) * 16;
-            const uint4 qa = sm90::LdShared128(base + off);
-            const uint4 qb = sm90::LdShared128(base + 8 * 64 + off);
-            afrag[S][part][kc][0] = Int4x4ToE4m3(__byte_perm(qa.x, qa.y, nib_sel));
-            afrag[S][part][kc][1] = Int4x4ToE4m3(__byte_perm(qb.x, qb.y, nib_sel));
-            afrag[S][part][kc][2] = Int4x4ToE4m3(__byte_perm(qa.z, qa.w, nib_sel));
-            afrag[S][part][kc][3] = Int4x4ToE4m3(__byte_perm(qb.z, qb.w, nib_sel));
+            for (int kc = 0; kc < 4; ++kc) {
+              const uint32_t off = (static_cast<uint32_t>(kc) ^ frag_swz) * 16;
+              const uint4 qa = sm90::LdShared128(base + off);
+              const uint4 qb = sm90::LdShared128(base + 8 * 64 + off);
+              afrag[S][part][kc][0] = Int4x4ToE4m3(__byte_perm(qa.x, qa.y, nib_sel));
+              afrag[S][part][kc][1] = Int4x4ToE4m3(__byte_perm(qb.x, qb.y, nib_sel));
+              afrag[S][part][kc][2] = Int4x4ToE4m3(__byte_perm(qa.z, qa.w, nib_sel));
+              afrag[S][part][kc][3] = Int4x4ToE4m3(__byte_perm(qb.z, qb.w, nib_sel));
+            }
           }
         }
-      }
-      sm90::WgmmaFence();
+        sm90::WgmmaFence();
 #pragma unroll
-      for (int kc = 0; kc < 4; ++kc)
+        for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
-          const uint64_t desc_x = sm90::DescSw128(x_tile, kc * 32);
-          if constexpr (kInt4) {
-            WgmmaRs<kTok>(acc[S][part], afrag[S][part][kc], desc_x, kc > 0);
-          } else {
-            Wgmma<kTok>(acc[S][part], sm90::DescSw128(st + part * L::kWPartBytes + cw * 64 * kKGroup, kc * 32),
-                        desc_x, kc > 0);
+          for (int part = 0; part < kParts; ++part) {
+            const uint64_t desc_x = sm90::DescSw128(x_tile, kc * 32);
+            if constexpr (kInt4) {
+              WgmmaRs<kTok>(acc[S][part], afrag[S][part][kc], desc_x, kc > 0);
+            } else {
+              Wgmma<kTok>(acc[S][part], sm90::DescSw128(st + part * L::kWPartBytes + cw * 64 * kKGroup, kc * 32),
+                          desc_x, kc > 0);
+            }
           }
-        }
-      sm90::WgmmaCommit();
+        sm90::WgmmaCommit();
+      }
     };
     // Promote the finished group in slot S: total += sw * sx * partial in fp32; free its stage.
     auto retire = [&](auto slot) {
