@@ -115,7 +115,12 @@ MMAS = ("e4m3", "f16")  # tensor-core operand formats for int4 weights (index = 
 def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None,
                       tile_tokens: int | None = None, num_sms: int | None = None,
                       mma: str | None = None) -> GemmPlan:
-    """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E."""
+    """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E.
+
+    ``mma`` None picks the operand format from the tile (module docstring); "e4m3" or "f16" forces it.
+    Raises ValueError naming ``tile_tokens`` or ``mma`` (unknown value; "f16" with a tile other than
+    16 or 32).
+    """
     rows = rows_per_expert if rows_per_expert is not None else m / e
     busy = e if rows_per_expert is not None else _busy_experts(m, e)
     plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy)

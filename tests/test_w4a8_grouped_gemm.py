@@ -185,6 +185,19 @@ SCENARIOS = {
 }
 
 
+def _check_scenario_on_gpu(rng, device, scenario, **options):
+    """Both scale kinds and output dtypes of a scenario through the CUDA handler vs float64; padding rows 0."""
+    m, k, n, sizes = SCENARIOS[scenario]
+    for scale_kind, w_scale_dtype, out_dtype in (("group", jnp.float32, jnp.bfloat16),
+                                                 ("tensor", jnp.bfloat16, jnp.float32)):
+        args = make_case(rng, m, k, n, sizes, scale_kind, w_scale_dtype)
+        fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=out_dtype, impl="ffi", **options)
+        out = run_poisoned(fn, (m, n), out_dtype, args, device)
+        check(args, out, out_dtype, tensor_core=options.get("tile_tokens") != 0)
+        covered = min(sum(max(s, 0) for s in sizes), m)
+        assert (out[covered:] == 0).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("tile_tokens", [0, 16, 32, 64, 128])
@@ -192,15 +205,7 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
     """The tensor-core kernel at every token tile (0 = simple kernel), split-K and not, vs float64."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
-    m, k, n, sizes = SCENARIOS[scenario]
-    for scale_kind, w_scale_dtype, out_dtype in (("group", jnp.float32, jnp.bfloat16),
-                                                 ("tensor", jnp.bfloat16, jnp.float32)):
-        args = make_case(rng, m, k, n, sizes, scale_kind, w_scale_dtype)
-        fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=out_dtype, impl="ffi", tile_tokens=tile_tokens)
-        out = run_poisoned(fn, (m, n), out_dtype, args, device)
-        check(args, out, out_dtype, tensor_core=tile_tokens != 0)
-        covered = min(sum(max(s, 0) for s in sizes), m)
-        assert (out[covered:] == 0).all()
+    _check_scenario_on_gpu(rng, device, scenario, tile_tokens=tile_tokens)
 
 
 @pytest.mark.gpu
@@ -211,16 +216,7 @@ def test_both_mma_formats_on_gpu(rng, device, scenario, tile_tokens, mma):
     """Both tensor-core operand formats for int4 weights at the decode token tiles vs float64."""
     if device.platform != "gpu":
         pytest.skip("the MMA formats exist on the CUDA handler only")
-    m, k, n, sizes = SCENARIOS[scenario]
-    for scale_kind, w_scale_dtype, out_dtype in (("group", jnp.float32, jnp.bfloat16),
-                                                 ("tensor", jnp.bfloat16, jnp.float32)):
-        args = make_case(rng, m, k, n, sizes, scale_kind, w_scale_dtype)
-        fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=out_dtype, impl="ffi", tile_tokens=tile_tokens,
-                               mma=mma)
-        out = run_poisoned(fn, (m, n), out_dtype, args, device)
-        check(args, out, out_dtype, tensor_core=True)
-        covered = min(sum(max(s, 0) for s in sizes), m)
-        assert (out[covered:] == 0).all()
+    _check_scenario_on_gpu(rng, device, scenario, tile_tokens=tile_tokens, mma=mma)
 
 
 def test_mma_option_is_checked(rng):
