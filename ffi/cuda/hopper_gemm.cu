@@ -734,7 +734,7 @@ bool Encode3d(CUtensorMap* map, CUtensorMapDataType type, int elem_bytes, const 
 }
 
 struct DeviceInfo {
-  int sms = 0, major = 0, minor = 0;
+  int id = 0, sms = 0, major = 0, minor = 0;
   size_t smem_optin = 0;
 };
 
@@ -747,6 +747,7 @@ DeviceInfo CurrentDevice() {
   std::lock_guard<std::mutex> lock(mu);
   if (dev < 64 && known[dev]) return cache[dev];
   DeviceInfo info;
+  info.id = dev;
   int v = 0;
   cudaDeviceGetAttribute(&info.sms, cudaDevAttrMultiProcessorCount, dev);
   cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, dev);
@@ -786,8 +787,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   // The shared-memory opt-in once per device (to the device's limit): a host call saved on every launch.
   static std::mutex mu;
   static bool opted_in[64] = {};
-  int dev_id = 0;
-  cudaGetDevice(&dev_id);
+  const int dev_id = dev.id;
   {
     std::lock_guard<std::mutex> lock(mu);
     if (dev_id >= 64 || !opted_in[dev_id]) {
