@@ -7,7 +7,9 @@
 //                fresh fp32 accumulator, then promote: total += sw(row, g) * sx(g, token) * partial, in
 //                fp32. int4 weights are converted to e4m3 in registers, straight into wgmma's A
 //                fragments (no shared-memory round trip, no proxy fence, no barrier); where registers
-//                allow, two groups are in flight per warpgroup (ping-pong accumulators).
+//                allow, two groups are in flight per warpgroup (ping-pong accumulators); where one is
+//                (128-token prefill tiles), the two warpgroups take turns issuing MMAs, so one promotes
+//                while the other's MMAs run.
 //   f16 MMA path (int4 weights, int4_f16, token tiles 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions), warps 1..3 of the producer warpgroup convert each
 //                activation tile to f16 in the matching K order (ConvertX) and signal xready.
@@ -472,6 +474,23 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   const uint32_t nib_sel = static_cast<uint32_t>(2 * (lane % 4)) | (static_cast<uint32_t>(2 * (lane % 4) + 1) << 4);
   int stage = 0;
   uint32_t phase = 0;
+  // One group in flight per warpgroup: the two warpgroups take turns issuing their MMAs (named
+  // barriers 1 and 2), so one's MMAs finish while the other's are queued and its promotion runs
+  // under them; issued at the same time, both would finish together and promote with the tensor
+  // cores idle.
+  constexpr bool ordered = kPipe == 1 && kTok == 128;
+  bool issued_any = false;
+  auto turn_wait = [&] {
+    if constexpr (ordered) {
+      if (cw == 1 || issued_any) sm90::NamedBarrierSync(1 + cw, 256);
+    }
+  };
+  auto turn_pass = [&] {
+    if constexpr (ordered) {
+      sm90::NamedBarrierArrive(2 - cw, 256);
+      issued_any = true;
+    }
+  };
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
@@ -542,6 +561,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
           afrag[S][0][2 * t4 + 1][0] = fa[2], afrag[S][0][2 * t4 + 1][1] = fb[2];
           afrag[S][0][2 * t4 + 1][2] = fa[3], afrag[S][0][2 * t4 + 1][3] = fb[3];
         }
+        turn_wait();
         sm90::WgmmaFence();
         const uint32_t xh = sm90::SmemAddr(st + L::kXhOffset);
 #pragma unroll
@@ -549,6 +569,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
           WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], sm90::DescNoSwizzle(xh + step * (kTok * 32), 128, 256),
                            step > 0);
         sm90::WgmmaCommit();
+        turn_pass();
       } else {
         const uint8_t* x_tile = st + L::kWBytes;
         if constexpr (kInt4) {
@@ -569,6 +590,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
             }
           }
         }
+        turn_wait();
         sm90::WgmmaFence();
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
@@ -583,6 +605,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
             }
           }
         sm90::WgmmaCommit();
+        turn_pass();
       }
     };
     // Promote the finished group in slot S: total += sw * sx * partial in fp32; free its stage.
@@ -590,25 +613,26 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
       constexpr int S = decltype(slot)::value;
       const uint32_t sx = sm90::SmemAddr(smem + static_cast<size_t>(slot_stage[S]) * L::kStageBytes + L::kWBytes +
                                          L::kXBytes) + 4 * static_cast<uint32_t>((t.m0 & 3) + 2 * (lane % 4));
-      // This thread's tokens: 8 j + 2 (lane % 4) + {0, 1}, j < kTok / 8; rows row0 and row0 + 8.
-      float ssw[kParts][2][kTok / 4];  // sw(row) * sx(token), one product per (row, token)
+      // This thread's tokens: 8 (j / 2) + 2 (lane % 4) + j % 2, j < kTok / 4; rows row0 and row0 + 8.
+      // Accumulator i holds token j = 2 (i / 4) + i % 2 of row (i / 2) % 2. One scale product per
+      // (row, token), made where it is used; with 128-row scale blocks (the block-scaled einsum) both
+      // rows share one weight scale, so one product per token (a uniform branch, not a select).
+      auto promote = [&](auto shared_row_scale) {
 #pragma unroll
-      for (int j = 0; j < kTok / 4; ++j) {
-        const float a = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
+        for (int j = 0; j < kTok / 4; ++j) {
+          const float a = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
-          ssw[part][0][j] = sw[S][part][0] * a;
-          // 128-row scale blocks (block-scaled einsum): both rows share one scale, so one product.
-          ssw[part][1][j] = p.sw_row_shift == 7 ? ssw[part][0][j] : sw[S][part][1] * a;
+          for (int part = 0; part < kParts; ++part) {
+            const float s0 = sw[S][part][0] * a;
+            const float s1 = decltype(shared_row_scale)::value ? s0 : sw[S][part][1] * a;
+            const int i = 4 * (j / 2) + (j % 2);
+            total[part][i] = fmaf(s0, acc[S][part][i], total[part][i]);
+            total[part][i + 2] = fmaf(s1, acc[S][part][i + 2], total[part][i + 2]);
+          }
         }
-      }
-#pragma unroll
-      for (int i = 0; i < kTok / 2; ++i) {
-        const int j = 2 * (i / 4) + (i % 2);
-#pragma unroll
-        for (int part = 0; part < kParts; ++part)
-          total[part][i] = fmaf(ssw[part][(i / 2) % 2][j], acc[S][part][i], total[part][i]);
-      }
+      };
+      if (!kInt4 && p.sw_row_shift == 7) promote(std::true_type{});
+      else promote(std::false_type{});
       __syncwarp();
       sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
     };
@@ -674,6 +698,10 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
         }
       }
     }
+  }
+  // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
+  if constexpr (ordered) {
+    if (cw == 0 && issued_any) sm90::NamedBarrierSync(1, 256);
   }
 }
 

@@ -53,6 +53,10 @@ __device__ __forceinline__ void NamedBarrierSync(uint32_t id, uint32_t threads) 
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+__device__ __forceinline__ void NamedBarrierArrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Shared-space loads (ld.shared: no generic-address conversion).
 // Not volatile: repeated loads of the same address may be merged (callers order them with barriers).
 __device__ __forceinline__ float LdSharedF32(uint32_t addr) {
