@@ -122,12 +122,24 @@ def run(args):
         if args.peers != "none":
             tp = C.bench(jax.jit(lambda v: quant.quantize_fp8_groups(v, ue8m0=True)), [(x,)])
             r["xla_jnp_quantizer_us"], r["x_xla_jnp_quantizer"] = tp * 1e6, tp / t
+            # The same traffic without any quantizing: a plain bf16 -> e4m3 cast (XLA, and torch when it
+            # imports), i.e. what this read:write mix (2 bytes in, 1 out) reaches on this GPU.
+            cast_bytes = m * k * 3
+            tp = C.bench(jax.jit(lambda v: v.astype(jnp.float8_e4m3fn)), [(x,)])
+            r["xla_cast_us"], r["x_xla_cast"], r["xla_cast_frac_copy_bw"] = tp * 1e6, tp / t, cast_bytes / tp / bw
+            if C.have_torch():
+                import torch
+
+                xt = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                tp = C.torch_bench(lambda: xt.to(torch.float8_e4m3fn))
+                r["torch_cast_us"], r["x_torch_cast"], r["torch_cast_frac_copy_bw"] = tp * 1e6, tp / t, cast_bytes / tp / bw
+                del xt
         rows.append(r)
         print(fmt_row(r), flush=True)
     return dict(copy_bw=bw, copy_bw_detail=detail, harness_floor_us=floor * 1e6, rows=rows)
 
 
-PEERS = ["xla_fp8_per_tensor", "xla_bf16", "dequant_bf16_matmul", "xla_jnp_quantizer"]
+PEERS = ["xla_fp8_per_tensor", "xla_bf16", "dequant_bf16_matmul", "xla_jnp_quantizer", "xla_cast", "torch_cast"]
 
 
 def fmt_row(r):
@@ -156,6 +168,13 @@ def report(payload):
                "op measured the same way), included in every time below." if "harness_floor_us" in payload else "")
             + "\n\n"
             + C.md_table(md, cols) + "\n")
+    for r in payload["rows"]:
+        if r["case"] == "quantizer" and "xla_cast_frac_copy_bw" in r:
+            casts = [f"{100 * r[f'{n}_cast_frac_copy_bw']:.0f}% ({n})" for n in ("xla", "torch")
+                     if f"{n}_cast_frac_copy_bw" in r]
+            body += (f"\nThe quantizer's traffic (2 bytes read, 1 written per element) on its own: a plain bf16 -> e4m3 "
+                     f"cast of the same [{r['M']}, {r['K']}] tensor reaches {' / '.join(casts)} of copy bandwidth; the "
+                     f"quantizer reaches {100 * r['frac_copy_bw']:.0f}% while also finding the group maxima and writing scales.\n")
     C.update_results_section("FP8 block-scaled einsum (DeepSeek-V3 linears, per-head products)", body)
 
 
