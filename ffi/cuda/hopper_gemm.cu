@@ -8,8 +8,8 @@
 //                fp32. int4 weights are converted to e4m3 in registers, straight into wgmma's A
 //                fragments (no shared-memory round trip, no proxy fence, no barrier); where registers
 //                allow, two groups are in flight per warpgroup (ping-pong accumulators); where one is
-//                (unfused), the two warpgroups take turns issuing MMAs, so one promotes while the
-//                other's MMAs run.
+//                (128-token prefill tiles), the two warpgroups take turns issuing MMAs, so one promotes
+//                while the other's MMAs run.
 //   f16 MMA path (int4 weights, int4_f16, token tiles 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions), warps 1..3 of the producer warpgroup convert each
 //                activation tile to f16 in the matching K order (ConvertX) and signal xready.
@@ -478,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   // barriers 1 and 2), so one's MMAs finish while the other's are queued and its promotion runs
   // under them; issued at the same time, both would finish together and promote with the tensor
   // cores idle.
-  constexpr bool ordered = kPipe == 1 && kParts == 1;
+  constexpr bool ordered = kPipe == 1 && kTok == 128;
   bool issued_any = false;
   auto turn_wait = [&] {
     if constexpr (ordered) {
