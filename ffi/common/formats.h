@@ -1,6 +1,7 @@
 // Number formats shared by the CPU and CUDA handlers (SPEC section 2). Host and device inline.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cmath>
 #include <cstring>
@@ -78,6 +79,19 @@ W4A8_HD float Ue8m0ToFloat(uint8_t code) {
 W4A8_HD bool IsUe8m0Exact(uint32_t bits) {
   const uint32_t exp = (bits >> 23) & 0xFF;
   return (bits & 0x807FFFFFu) == 0 && exp >= 1 && exp <= 254;
+}
+
+// A positive scale rounded up to a UE8M0 value (a power of two, exponent clamped to 1..254): what the
+// UE8M0 quantizers divide by (rounded *before* quantizing, so codes and scale agree).
+W4A8_HD float CeilToUe8m0(float x) {
+  const uint32_t b = FloatToBits(x);
+  uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
+#if defined(__CUDA_ARCH__)
+  e = min(max(e, 1u), 254u);
+#else
+  e = std::min<uint32_t>(std::max<uint32_t>(e, 1), 254);
+#endif
+  return BitsToFloat(e << 23);
 }
 
 // The masked exponent byte of a float32 that IsUe8m0Exact accepted.

@@ -26,12 +26,7 @@ ffi::Error QuantizeFp8GroupsCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
     float amax = 0.0f;
     for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(value(base + j)));
     float scale = std::max(amax, 1e-4f) / 448.0f;
-    if (ue8m0) {  // round the scale up to a power of two first, then quantize with it
-      const uint32_t b = FloatToBits(scale);
-      uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
-      e = std::min<uint32_t>(std::max<uint32_t>(e, 1), 254);
-      scale = BitsToFloat(e << 23);
-    }
+    if (ue8m0) scale = CeilToUe8m0(scale);  // rounded up to a power of two first, then quantize with it
     scales[g] = scale;
     for (int64_t j = 0; j < kGroup; ++j) codes[base + j] = FloatToE4m3Sat(value(base + j) / scale);
   }

@@ -309,13 +309,6 @@ __device__ __forceinline__ void WgmmaRs(float (&d)[kTok / 2], const uint32_t (&a
   else sm90::WgmmaE4m3RsN128(d, a, b, scale_d);
 }
 
-__device__ __forceinline__ float CeilUe8m0(float x) {
-  const uint32_t b = __float_as_uint(x);
-  uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
-  e = min(max(e, 1u), 254u);
-  return __uint_as_float(e << 23);
-}
-
 // Fused MoE up-projection epilogue: h = silu(gate) * up in fp32, then e4m3 codes for the down
 // projection, per tensor (static scale) or per token over this unit's 128 channels (UE8M0 scale,
 // rounded up *before* quantizing). Both consumer warpgroups (256 threads) take part.
@@ -347,7 +340,7 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
       float m = 0.0f;
 #pragma unroll
       for (int w = 0; w < 8; ++w) m = fmaxf(m, red[w * kTok + col]);
-      scale[j] = CeilUe8m0(__fdiv_rn(fmaxf(m, 1e-4f), 448.0f));
+      scale[j] = CeilToUe8m0(__fdiv_rn(fmaxf(m, 1e-4f), 448.0f));
       const int64_t tok = t.m0 + col;
       if (cw == 0 && warp == 0 && lane < 4 && tok < t.m_end)
         p.h_scale[tok * (p.f / kFeatTile) + t.f0 / kFeatTile] = scale[j];

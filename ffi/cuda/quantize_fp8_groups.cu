@@ -104,12 +104,7 @@ __global__ void __launch_bounds__(256, kBlocksPerSm) QuantizeGroupsKernel(const 
 #pragma unroll
       for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
       float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-      if (ue8m0) {
-        const uint32_t b = __float_as_uint(scale);
-        uint32_t e = ((b >> 23) & 0xFF) + ((b & 0x7FFFFF) != 0);
-        e = min(max(e, 1u), 254u);
-        scale = __uint_as_float(e << 23);
-      }
+      if (ue8m0) scale = CeilToUe8m0(scale);
       if (g < groups) {
         __stcs(reinterpret_cast<uint2*>(codes + g * 128 + sub * 8), EncodeEight(v, scale, ue8m0));
         if (sub == 0) scales[g] = scale;
