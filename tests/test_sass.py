@@ -28,8 +28,8 @@ def _library():
 
 
 LIB = _library()
-# HopperGemmKernel<kTok, kInt4, kParts, kF16>, mangled: ...HopperGemmKernelILi16ELb1ELi1ELb1EE...
-KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])EE")
+# HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows>, mangled: ...HopperGemmKernelILi16ELb1ELi1ELb1ELb0EE...
+KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])ELb([01])EE")
 
 
 def _tool(name):
@@ -59,13 +59,14 @@ def kernels():
         name, _, body = chunk.partition("\n")
         m = KERNEL.search(name)
         if m:
-            tok, int4, parts, f16 = int(m[1]), m[2] == "1", int(m[3]), m[4] == "1"
-            found[(tok, int4, parts, f16)] = body
+            tok, int4, parts, f16, token_rows = int(m[1]), m[2] == "1", int(m[3]), m[4] == "1", m[5] == "1"
+            found[(tok, int4, parts, f16) + (("token rows",) if token_rows else ())] = body
     return found
 
 
 def test_every_tile_configuration_is_built(kernels):
     expected = ({(t, False, 1, False) for t in (16, 32, 64, 128)}  # fp8 einsum
+                | {(128, False, 1, False, "token rows")}  # block-scaled fp8 einsum, tokens on the A side
                 | {(t, True, 1, False) for t in (16, 32, 64, 128)}  # int4 grouped GEMM, e4m3 MMA
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
                 | {(t, True, 1, True) for t in (16, 32)})  # int4 grouped GEMM, f16 MMA
@@ -73,9 +74,12 @@ def test_every_tile_configuration_is_built(kernels):
 
 
 def test_kernels_issue_wgmma_in_their_operand_format(kernels):
-    for (tok, int4, parts, f16), body in kernels.items():
-        config = f"tile {tok}, int4 {int4}, parts {parts}, f16 {f16}"
-        if f16:  # f16 x f16 -> f32 warpgroup MMA, k16, N = the token tile
+    for (tok, int4, parts, f16, *token_rows), body in kernels.items():
+        config = f"tile {tok}, int4 {int4}, parts {parts}, f16 {f16}, {token_rows}"
+        if token_rows:  # tokens are the MMA's M side (64 per warpgroup), the 128 weight rows its N
+            assert "QGMMA.64x128x32.F32.E4M3.E4M3" in body, config
+            assert "HGMMA" not in body, config
+        elif f16:  # f16 x f16 -> f32 warpgroup MMA, k16, N = the token tile
             assert f"HGMMA.64x{tok}x16.F32" in body, config
             assert "QGMMA" not in body, config
         else:  # e4m3 x e4m3 -> f32 warpgroup MMA, k32

@@ -358,6 +358,110 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
   }
 }
 
+// The consumers of the block-scaled einsum's 128-token tiles (e4m3 weights, one weight scale per
+// 128 rows and K group): tokens on wgmma's A side (64 per warpgroup), the 128 weight rows on its N
+// side. Every accumulator of a thread then shares one weight scale and one of two token scales, so
+// the promotion is one FFMA per accumulator plus two products (the swapped form needs a scale per
+// (row, token) pair: 32 loads and 32 products more per group), and the epilogue writes pairs of
+// adjacent features. The warpgroups take turns issuing MMAs (named barriers 1 and 2, as below).
+__device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, const UnitTable& table,
+                                                 int64_t total_units, int64_t feat_tiles, int64_t groups,
+                                                 int stages, uint8_t* smem, uint64_t* full, uint64_t* empty,
+                                                 int cw) {
+  constexpr int kTok = 128;
+  using L = Layout<kTok, false, 1, false>;
+  const int tid = threadIdx.x % 128;
+  const int warp = tid / 32, lane = tid % 32;
+  const int tok_row = cw * 64 + warp * 16 + lane / 4;  // this thread's token rows in the tile: +0, +8
+  int stage = 0;
+  uint32_t phase = 0;
+  bool issued_any = false;
+  WorkCursor work(p, total_units, groups);
+  for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
+    float total[kTok / 2];
+#pragma unroll
+    for (int i = 0; i < kTok / 2; ++i) total[i] = 0.0f;
+    const int64_t g_begin = t.zero ? t.g1 : t.g0;
+    const int64_t sw_base = WeightScaleBase(p, t.b, t.f0, groups);
+    // Weight scales two groups ahead, as in the swapped consumers.
+    float pre[2] = {0.0f, 0.0f};
+    auto load_scale = [&](int64_t g) { return LoadWeightScale(p, sw_base + min(g, t.g1 - 1)); };
+    if (g_begin < t.g1) {
+      pre[0] = load_scale(g_begin);
+      pre[1] = load_scale(g_begin + 1);
+    }
+    auto step = [&](auto pre_slot, int64_t g) {
+      constexpr int J = decltype(pre_slot)::value;
+      const float sw = pre[J];
+      sm90::MbarWait(&full[stage], phase);
+      uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
+      const int my_stage = stage;
+      if (++stage == stages) { stage = 0; phase ^= 1; }
+      float acc[kTok / 2];
+      if (issued_any || cw == 1) sm90::NamedBarrierSync(1 + cw, 256);
+      sm90::WgmmaFence();
+#pragma unroll
+      for (int kc = 0; kc < 4; ++kc)
+        Wgmma<kTok>(acc, sm90::DescSw128(st + L::kWBytes + cw * 64 * kKGroup, kc * 32), sm90::DescSw128(st, kc * 32),
+                    kc > 0);
+      sm90::WgmmaCommit();
+      sm90::NamedBarrierArrive(2 - cw, 256);
+      issued_any = true;
+      pre[J] = load_scale(g + 2);
+      const uint32_t sx = sm90::SmemAddr(st + L::kWBytes + L::kXBytes) + 4 * static_cast<uint32_t>((t.m0 & 3) + tok_row);
+      const float s0 = sw * sm90::LdSharedF32(sx), s1 = sw * sm90::LdSharedF32(sx + 32);
+      sm90::WgmmaWait<0>();
+      // Accumulator i: token row tok_row + 8 ((i / 2) % 2), feature 8 (i / 4) + 2 (lane % 4) + i % 2.
+#pragma unroll
+      for (int i = 0; i < kTok / 2; ++i) total[i] = fmaf((i / 2) % 2 ? s1 : s0, acc[i], total[i]);
+      __syncwarp();
+      sm90::MbarArriveIf(&empty[my_stage], lane == 0);
+    };
+    using Pre0 = std::integral_constant<int, 0>;
+    using Pre1 = std::integral_constant<int, 1>;
+    int64_t g = g_begin;
+    for (; g + 1 < t.g1; g += 2) {
+      step(Pre0{}, g);
+      step(Pre1{}, g + 1);
+    }
+    if (g < t.g1) step(Pre0{}, g);
+
+    // Epilogue: pairs of adjacent features of one token; tokens of this batch only, features < F.
+    const bool even_f = p.f % 2 == 0;
+#pragma unroll
+    for (int i = 0; i < kTok / 2; i += 2) {
+      const int64_t m = t.m0 + tok_row + 8 * ((i / 2) % 2);
+      const int64_t f = t.f0 + 8 * (i / 4) + 2 * (lane % 4);
+      if (m >= t.m_end || f >= p.f) continue;
+      const int64_t idx = (m * p.h + t.head) * p.f + f;
+      const bool second = f + 1 < p.f;
+      if (p.split_k > 1) {
+        atomicAdd(p.split_ws + idx, total[i]);
+        if (second) atomicAdd(p.split_ws + idx + 1, total[i + 1]);
+      } else if (p.out_bf16) {
+        uint16_t* out = static_cast<uint16_t*>(p.out) + idx;
+        if (second && even_f) {
+          *reinterpret_cast<uint32_t*>(out) =
+              static_cast<uint32_t>(FloatToBf16Bits(total[i])) | (static_cast<uint32_t>(FloatToBf16Bits(total[i + 1])) << 16);
+        } else {
+          out[0] = FloatToBf16Bits(total[i]);
+          if (second) out[1] = FloatToBf16Bits(total[i + 1]);
+        }
+      } else {
+        float* out = static_cast<float*>(p.out) + idx;
+        if (second && even_f) {
+          *reinterpret_cast<float2*>(out) = make_float2(total[i], total[i + 1]);
+        } else {
+          out[0] = total[i];
+          if (second) out[1] = total[i + 1];
+        }
+      }
+    }
+  }
+  // Warpgroup 1's last pass has no matching wait: take it, so no barrier is left half-arrived.
+  if (cw == 0 && issued_any) sm90::NamedBarrierSync(1, 256);
+}
+
 // Narrow token tiles (decode) are latency-bound per group: run two blocks per SM there.
 template <int kTok, int kParts>
 struct Occupancy {
@@ -376,7 +480,7 @@ struct Pipeline {
   static constexpr int kDepth = kRegs <= (Occupancy<kTok, kParts>::kBlocksPerSm == 2 ? 56 : 160) ? 2 : 1;
 };
 
-template <int kTok, bool kInt4, int kParts, bool kF16>
+template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false>
 __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
@@ -456,6 +560,11 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
 
   // --------------------------------------------------------------------------------- consumers
   sm90::SetMaxNReg<Occupancy<kTok, kParts>::kConsumerRegs>();
+  if constexpr (kTokenRows) {
+    static_assert(kTok == 128 && !kInt4 && kParts == 1 && !kF16, "token rows: the einsum's 128-token tiles");
+    ConsumeTokenRows(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
+    return;
+  } else {
   constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16>::kDepth;
   const int cw = wg - 1;                 // consumer warpgroup: weight rows [64 cw, 64 cw + 64)
   const int tid = threadIdx.x % 128;
@@ -696,6 +805,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   if constexpr (ordered) {
     if (cw == 0 && issued_any) sm90::NamedBarrierSync(1, 256);
   }
+  }
 }
 
 // Activation scales into the kernel's layout, and the split-K workspace cleared (n_zero floats): one
@@ -781,7 +891,7 @@ DeviceInfo CurrentDevice() {
 
 size_t TableBytes(int64_t nb) { return static_cast<size_t>(nb + 1) * 8 + static_cast<size_t>(nb) * 8; }
 
-template <int kTok, bool kInt4, int kParts, bool kF16 = false>
+template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows = false>
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   using L = Layout<kTok, kInt4, kParts, kF16>;
   const int64_t nb = p.b + 1;
@@ -804,7 +914,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
                       CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
 
-  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16>;
+  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows>;
   // The shared-memory opt-in once per device (to the device's limit): a host call saved on every launch.
   static std::mutex mu;
   static bool opted_in[64] = {};
@@ -846,7 +956,10 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
     case 16: return Launch<16, kInt4, 1>(p, stream, dev);
     case 32: return Launch<32, kInt4, 1>(p, stream, dev);
     case 64: return Launch<64, kInt4, 1>(p, stream, dev);
-    case 128: return Launch<128, kInt4, 1>(p, stream, dev);
+    case 128:
+      // The block-scaled einsum (one weight scale per 128 rows) runs with tokens on the A side.
+      if (!kInt4 && p.sw_row_shift == 7) return Launch<128, false, 1, false, true>(p, stream, dev);
+      return Launch<128, kInt4, 1>(p, stream, dev);
     default: return cudaErrorInvalidValue;
   }
 }
