@@ -4,7 +4,10 @@ recompilation when ``group_sizes`` change).
 
 The Hopper kernel (``ffi/cuda/hopper_gemm.cu``) runs "swap AB": 128 weight rows (two warpgroups of
 64) on the wide side of the MMA and ``tile_tokens`` activation rows on the narrow side, one 128-wide K
-group per pipeline stage. The heuristic:
+group per pipeline stage. One exception: the block-scaled einsum (one weight scale per 128 rows) at
+128-token tiles puts the tokens on the MMA's A side (64 per warpgroup) and the 128 weight rows on its N
+side, which makes the per-group promotion two scale products and one FMA per accumulator. The tiles,
+and so this plan, are the same either way. The heuristic:
 
 * ``tile_tokens``: the smallest of 16, 32, 64, 128 that holds the rows of one batch: all M rows of
   a head of the einsum, or for the grouped GEMM the expected rows of an expert plus two standard

@@ -13,6 +13,8 @@
 //   f16 MMA path (int4 weights, int4_f16, token tiles 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions), warps 1..3 of the producer warpgroup convert each
 //                activation tile to f16 in the matching K order (ConvertX) and signal xready.
+// Block-scaled einsum at 128-token tiles (ConsumeTokenRows): the same stages, but the consumers put 64
+//                tokens each on wgmma's A side and the 128 weight rows on its N side.
 // Units of work (batch, token tile, feature tile, K split) are numbered on the device from
 // group_sizes, so nothing waits for the host and any group_sizes content is safe (clamped as in
 // common/groups.h). Without split-K the blocks take whole units in turn: each rounds and stores its
@@ -564,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
     static_assert(kTok == 128 && !kInt4 && kParts == 1 && !kF16, "token rows: the einsum's 128-token tiles");
     ConsumeTokenRows(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
     return;
-  } else {
+  }
   constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16>::kDepth;
   const int cw = wg - 1;                 // consumer warpgroup: weight rows [64 cw, 64 cw + 64)
   const int tid = threadIdx.x % 128;
@@ -804,7 +806,6 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
   if constexpr (ordered) {
     if (cw == 0 && issued_any) sm90::NamedBarrierSync(1, 256);
-  }
   }
 }
 
