@@ -360,6 +360,23 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
   }
 }
 
+// One output element: added to the split-K workspace (split_k > 1), or rounded and stored.
+__device__ __forceinline__ void StoreOutput(const HopperGemmParams& p, int64_t idx, float v) {
+  if (p.split_k > 1) atomicAdd(p.split_ws + idx, v);
+  else if (p.out_bf16) static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(v);
+  else static_cast<float*>(p.out)[idx] = v;
+}
+
+// Elements idx and idx + 1 in one store (split_k 1; idx even, so the pair is 4- / 8-byte aligned).
+__device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64_t idx, float a, float b) {
+  if (p.out_bf16) {
+    *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + idx) =
+        static_cast<uint32_t>(FloatToBf16Bits(a)) | (static_cast<uint32_t>(FloatToBf16Bits(b)) << 16);
+  } else {
+    *reinterpret_cast<float2*>(static_cast<float*>(p.out) + idx) = make_float2(a, b);
+  }
+}
+
 // The consumers of the block-scaled einsum's 128-token tiles (e4m3 weights, one weight scale per
 // 128 rows and K group): tokens on wgmma's A side (64 per warpgroup), the 128 weight rows on its N
 // side. Every accumulator of a thread then shares one weight scale and one of two token scales, so
@@ -428,8 +445,9 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
     }
     if (g < t.g1) step(Pre0{}, g);
 
-    // Epilogue: pairs of adjacent features of one token; tokens of this batch only, features < F.
-    const bool even_f = p.f % 2 == 0;
+    // Epilogue: pairs of adjacent features of one token (one store where F is even, so the pair is
+    // aligned); tokens of this batch only, features < F.
+    const bool paired = p.f % 2 == 0 && p.split_k == 1;
 #pragma unroll
     for (int i = 0; i < kTok / 2; i += 2) {
       const int64_t m = t.m0 + tok_row + 8 * ((i / 2) % 2);
@@ -437,26 +455,11 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
       if (m >= t.m_end || f >= p.f) continue;
       const int64_t idx = (m * p.h + t.head) * p.f + f;
       const bool second = f + 1 < p.f;
-      if (p.split_k > 1) {
-        atomicAdd(p.split_ws + idx, total[i]);
-        if (second) atomicAdd(p.split_ws + idx + 1, total[i + 1]);
-      } else if (p.out_bf16) {
-        uint16_t* out = static_cast<uint16_t*>(p.out) + idx;
-        if (second && even_f) {
-          *reinterpret_cast<uint32_t*>(out) =
-              static_cast<uint32_t>(FloatToBf16Bits(total[i])) | (static_cast<uint32_t>(FloatToBf16Bits(total[i + 1])) << 16);
-        } else {
-          out[0] = FloatToBf16Bits(total[i]);
-          if (second) out[1] = FloatToBf16Bits(total[i + 1]);
-        }
+      if (paired && second) {
+        StoreOutputPair(p, idx, total[i], total[i + 1]);
       } else {
-        float* out = static_cast<float*>(p.out) + idx;
-        if (second && even_f) {
-          *reinterpret_cast<float2*>(out) = make_float2(total[i], total[i + 1]);
-        } else {
-          out[0] = total[i];
-          if (second) out[1] = total[i + 1];
-        }
+        StoreOutput(p, idx, total[i]);
+        if (second) StoreOutput(p, idx + 1, total[i + 1]);
       }
     }
   }
@@ -792,14 +795,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
         const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
         const int64_t f = row0 + 8 * ((i / 2) % 2);
         if (m >= t.m_end || f >= p.f) continue;
-        const int64_t idx = (m * p.h + t.head) * p.f + f;
-        if (p.split_k > 1) {
-          atomicAdd(p.split_ws + idx, total[0][i]);
-        } else if (p.out_bf16) {
-          static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(total[0][i]);
-        } else {
-          static_cast<float*>(p.out)[idx] = total[0][i];
-        }
+        StoreOutput(p, (m * p.h + t.head) * p.f + f, total[0][i]);
       }
     }
   }
