@@ -40,7 +40,7 @@ def run(args):
     bw, detail = C.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s {({k: round(v / 1e12, 2) for k, v in detail.items()})}", flush=True)
     floor = C.harness_floor()
-    print(f"timing harness floor {floor * 1e6:.1f} us per call", flush=True)
+    print(f"timing harness floor {floor * 1e6:.1f} us per call (adaptive n)", flush=True)
     key = jax.random.key(0)
     rows = []
     ms = MS_QUICK if args.quick else MS_FULL
@@ -165,7 +165,8 @@ def report(payload):
             f"`{payload.get('command', 'python benchmarks/bench_fp8_einsum.py')}`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
             "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours."
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
-               "op measured the same way), included in every time below." if "harness_floor_us" in payload else "")
+               "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
+               "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")
             + "\n\n"
             + C.md_table(md, cols) + "\n")
     for r in payload["rows"]:

@@ -55,7 +55,7 @@ def run(args):
     bw, bw_detail = C.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s {({k: round(v / 1e12, 2) for k, v in bw_detail.items()})}", flush=True)
     floor = C.harness_floor()
-    print(f"timing harness floor {floor * 1e6:.1f} us per call", flush=True)
+    print(f"timing harness floor {floor * 1e6:.1f} us per call (adaptive n)", flush=True)
     torch_ok = C.have_torch() and not args.no_torch
     ms = MS_QUICK if args.quick else MS_FULL
     configs = PALLAS_CONFIGS[:2] if args.quick else PALLAS_CONFIGS
@@ -225,7 +225,8 @@ def report(payload, out):
             "forced to another tile (the heuristic's alternatives); other MMA: the same call with the other "
             "tensor-core operand format (`mma=`, token tiles 16 and 32)."
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
-               "op measured the same way), included in every time below." if "harness_floor_us" in payload else "")
+               "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
+               "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")
             + "\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
     C.update_results_section("W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1)", body)
     plot(payload, C.HERE / "grouped_gemm.png")

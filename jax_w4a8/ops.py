@@ -268,7 +268,8 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
 
     Args:
       x, w: float8_e4m3fn operands; out_dtype: bfloat16 or float32; impl: "auto" | "ffi" | "reference";
-      tile_tokens: force the CUDA token tile (see :mod:`jax_w4a8.tiling`; 0 = plain CUDA-core kernel).
+      tile_tokens: force the CUDA token tile: 16, 32, 64, 128, or 192 with block-scaled weights (see
+        :mod:`jax_w4a8.tiling`); 0 = plain CUDA-core kernel.
     """
     op = "fp8_einsum"
     rank = _parse_equation(equation)
@@ -311,7 +312,8 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
         x, x_scale, w, w_scale = x[:, None], x_scale[:, None], w[None], w_scale[None]
     hh = x.shape[1]
 
-    plan = tiling.plan_fp8_einsum(m, hh, n, k, tile_tokens=tile_tokens)
+    block_scaled = w_scale.shape[-2] != n  # one weight scale per 128 rows (else per row)
+    plan = tiling.plan_fp8_einsum(m, hh, n, k, block_scaled=block_scaled, tile_tokens=tile_tokens)
     out_type = jax.ShapeDtypeStruct((m, hh, n), out_dtype)
 
     def cpu_fn(*args):

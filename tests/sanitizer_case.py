@@ -34,10 +34,11 @@ def main() -> int:
         out = jax.jit(lambda *a: ops.fp8_einsum("md,nd->mn", *a, impl="ffi"))(a8, quant.encode_ue8m0(sa), w8, sw)
         ref = np_ref.fp8_einsum_mhk(a8[:, None], sa[:, None], w8[None], sw[None])[:, 0]
         ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), ref) <= 4e-3
-    for m, n in ((150, 257), (1300, 1153)):  # 128-token tiles, tokens on the A side: stream-K, then not
+    # 128- and 192-token tiles, tokens on the A side: stream-K, then not (partial last tiles)
+    for m, n, tok in ((150, 257, 128), (1300, 1153, 128), (150, 257, 192), (2000, 1153, 192)):
         w8, sw = quant.quantize_fp8_blocks(rng.standard_normal((n, 256)).astype(np.float32))
         a8, sa = quant.quantize_fp8_groups(rng.standard_normal((m, 256)).astype(np.float32))
-        out = jax.jit(lambda *a: ops.fp8_einsum("md,nd->mn", *a, impl="ffi", tile_tokens=128))(a8, sa, w8, sw)
+        out = jax.jit(lambda *a, tok=tok: ops.fp8_einsum("md,nd->mn", *a, impl="ffi", tile_tokens=tok))(a8, sa, w8, sw)
         ref = np_ref.fp8_einsum_mhk(a8[:, None], sa[:, None], w8[None], sw[None])[:, 0]
         ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), ref) <= 4e-3
     for tok in (16, 64):  # the fused up-projection: w13 [E, 2I, K/2] with I = 128

@@ -199,21 +199,30 @@ def test_every_tile_config_on_gpu(rng, device, tile_tokens, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens", [128, 192])
 @pytest.mark.parametrize("m, h, n, k, out_dtype", [
     (300, 1, 576, 1024, jnp.bfloat16),   # kv_a-like: few tiles, so the plan runs stream-K
     (300, 1, 257, 512, jnp.float32),     # odd N: a lone feature at the edge, float32 out, stream-K
-    (1408, 1, 1409, 256, jnp.bfloat16),  # odd N, 132 tiles: one whole wave on an H200, no split
+    (1408, 1, 1409, 256, jnp.bfloat16),  # odd N, 132 tiles of 128 tokens: one whole wave on an H200
     (200, 3, 130, 384, jnp.float32),     # per-head, partial token and feature tiles
+    (2000, 1, 640, 512, jnp.bfloat16),   # 11 tiles of 192 tokens, the last one with 80 rows
 ])
-def test_block_scaled_128_token_tiles_on_gpu(rng, device, m, h, n, k, out_dtype):
-    """128-token tiles of the block recipe run with tokens on the MMA's A side and store pairs of
-    adjacent features: odd and partial feature tiles, both output types, stream-K and not."""
+def test_block_scaled_token_row_tiles_on_gpu(rng, device, tile_tokens, m, h, n, k, out_dtype):
+    """128- and 192-token tiles of the block recipe run with tokens on the MMA's A side (two or three
+    consumer warpgroups of 64 tokens) and store pairs of adjacent features: odd and partial feature
+    tiles, partial token tiles, both output types, stream-K and not."""
     if device.platform != "gpu":
-        pytest.skip("the 128-token tile exists on the CUDA handler only")
+        pytest.skip("the token-row tiles exist on the CUDA handler only")
     x8, sx, w8, sw = make_operands(rng, m, h, n, k, "block")
-    fn = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=128, out_dtype=out_dtype)
+    fn = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=tile_tokens, out_dtype=out_dtype)
     out = run_poisoned(fn, (m, h, n), out_dtype, (x8, sx, w8, sw), device)
     assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)) <= BF16_TOL
+
+
+def test_192_token_tiles_need_block_scaled_weights(rng):
+    x8, sx, w8, sw = make_operands(rng, 300, 1, 256, 256, "row")
+    with pytest.raises(ValueError, match="tile_tokens"):
+        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, tile_tokens=192)
 
 
 def test_nan_code_under_jit_is_rejected_by_the_cpu_handler(rng):

@@ -76,3 +76,18 @@ def test_mma_format_follows_the_tile():
     with pytest.raises(ValueError, match="'mma'"):
         tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS, mma="f16")
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=0, num_sms=SMS).mma == "e4m3"
+
+
+def test_block_scaled_einsum_takes_192_token_tiles_where_they_pad_little():
+    # 192-token tiles (three consumer warpgroups) unless they pad M by > 10% more than 128-token tiles.
+    plan = lambda m, **kw: tiling.plan_fp8_einsum(m, 1, 7168, 7168, num_sms=SMS, **kw)
+    assert plan(4096, block_scaled=True).tile_tokens == 192
+    assert plan(16384, block_scaled=True).tile_tokens == 192
+    assert plan(512, block_scaled=True).tile_tokens == 128  # 576 vs 512 padded rows
+    assert plan(4096).tile_tokens == 128  # per-row weight scales: up to 128
+    assert plan(64, block_scaled=True).tile_tokens == 64
+    assert plan(4096, block_scaled=True, tile_tokens=128).tile_tokens == 128
+    with pytest.raises(ValueError, match="tile_tokens"):
+        plan(4096, tile_tokens=192)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        tiling.plan_grouped_gemm(4096, 32, 4096, 7168, tile_tokens=192)

@@ -102,6 +102,8 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   if (split_k < 1 || split_k > d.groups) return Invalid("fp8_einsum", "split_k must be in [1, K/128]");
   if (d.m == 0 || d.h == 0) return ffi::Error::Success();
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
+  if (tile_tokens == 192 && d.w_rows_per_scale == 1)
+    return Invalid("fp8_einsum", "tile_tokens 192 needs one weight scale per 128 rows (recipe (1, 128, 128))");
 
   HopperGemmParams p{};
   p.x = x.untyped_data();

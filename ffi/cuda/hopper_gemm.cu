@@ -41,7 +41,10 @@
 namespace jax_w4a8 {
 namespace {
 
-constexpr int kThreads = 384;
+// Threads per block: a producer warpgroup and two consumer warpgroups, or with token rows one consumer
+// warpgroup per 64 tokens of the tile.
+template <int kTok, bool kTokenRows>
+constexpr int ThreadsOf() { return 128 * (1 + (kTokenRows ? kTok / 64 : 2)); }
 constexpr int kFeatTile = 128;     // weight rows per unit (64 per consumer warpgroup)
 constexpr int kKGroup = 128;       // K per stage = one scale group
 constexpr int kMaxBatches = 1024;  // batches (experts / heads) the on-device unit table holds
@@ -383,11 +386,12 @@ __device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64
 // the promotion is one FFMA per accumulator plus two products (the swapped form needs a scale per
 // (row, token) pair: 32 loads and 32 products more per group), and the epilogue writes pairs of
 // adjacent features. The warpgroups take turns issuing MMAs (named barriers 1 and 2, as below).
+template <int kTok>
 __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, const UnitTable& table,
                                                  int64_t total_units, int64_t feat_tiles, int64_t groups,
                                                  int stages, uint8_t* smem, uint64_t* full, uint64_t* empty,
                                                  int cw) {
-  constexpr int kTok = 128;
+  constexpr int kCw = kTok / 64;  // consumer warpgroups, 64 tokens each
   using L = Layout<kTok, false, 1, false>;
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
@@ -397,59 +401,61 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
   bool issued_any = false;
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
-    float total[kTok / 2];
+    float total[kFeatTile / 2];
 #pragma unroll
-    for (int i = 0; i < kTok / 2; ++i) total[i] = 0.0f;
-    const int64_t g_begin = t.zero ? t.g1 : t.g0;
+    for (int i = 0; i < kFeatTile / 2; ++i) total[i] = 0.0f;
+    // 32-bit copies of what the group loop needs (K groups and tile rows fit; registers are scarce).
+    const int g1 = static_cast<int>(t.g1), g_begin = t.zero ? g1 : static_cast<int>(t.g0);
+    const uint32_t sx_off = L::kWBytes + L::kXBytes + 4 * static_cast<uint32_t>((t.m0 & 3) + tok_row);
     const int64_t sw_base = WeightScaleBase(p, t.b, t.f0, groups);
     // Weight scales two groups ahead, as in the swapped consumers.
     float pre[2] = {0.0f, 0.0f};
-    auto load_scale = [&](int64_t g) { return LoadWeightScale(p, sw_base + min(g, t.g1 - 1)); };
-    if (g_begin < t.g1) {
+    auto load_scale = [&](int g) { return LoadWeightScale(p, sw_base + min(g, g1 - 1)); };
+    if (g_begin < g1) {
       pre[0] = load_scale(g_begin);
       pre[1] = load_scale(g_begin + 1);
     }
-    auto step = [&](auto pre_slot, int64_t g) {
+    auto step = [&](auto pre_slot, int g) {
       constexpr int J = decltype(pre_slot)::value;
       const float sw = pre[J];
       sm90::MbarWait(&full[stage], phase);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       const int my_stage = stage;
       if (++stage == stages) { stage = 0; phase ^= 1; }
-      float acc[kTok / 2];
-      if (issued_any || cw == 1) sm90::NamedBarrierSync(1 + cw, 256);
+      float acc[kFeatTile / 2];
+      if (issued_any || cw > 0) sm90::NamedBarrierSync(1 + cw, 256);
       sm90::WgmmaFence();
 #pragma unroll
       for (int kc = 0; kc < 4; ++kc)
-        Wgmma<kTok>(acc, sm90::DescSw128(st + L::kWBytes + cw * 64 * kKGroup, kc * 32), sm90::DescSw128(st, kc * 32),
+        Wgmma<kFeatTile>(acc, sm90::DescSw128(st + L::kWBytes + cw * 64 * kKGroup, kc * 32), sm90::DescSw128(st, kc * 32),
                     kc > 0);
       sm90::WgmmaCommit();
-      sm90::NamedBarrierArrive(2 - cw, 256);
+      sm90::NamedBarrierArrive(1 + (cw + 1) % kCw, 256);
       issued_any = true;
       pre[J] = load_scale(g + 2);
-      const uint32_t sx = sm90::SmemAddr(st + L::kWBytes + L::kXBytes) + 4 * static_cast<uint32_t>((t.m0 & 3) + tok_row);
+      const uint32_t sx = sm90::SmemAddr(st) + sx_off;
       const float s0 = sw * sm90::LdSharedF32(sx), s1 = sw * sm90::LdSharedF32(sx + 32);
       sm90::WgmmaWait<0>();
       // Accumulator i: token row tok_row + 8 ((i / 2) % 2), feature 8 (i / 4) + 2 (lane % 4) + i % 2.
 #pragma unroll
-      for (int i = 0; i < kTok / 2; ++i) total[i] = fmaf((i / 2) % 2 ? s1 : s0, acc[i], total[i]);
+      for (int i = 0; i < kFeatTile / 2; ++i) total[i] = fmaf((i / 2) % 2 ? s1 : s0, acc[i], total[i]);
       __syncwarp();
       sm90::MbarArriveIf(&empty[my_stage], lane == 0);
     };
     using Pre0 = std::integral_constant<int, 0>;
     using Pre1 = std::integral_constant<int, 1>;
-    int64_t g = g_begin;
-    for (; g + 1 < t.g1; g += 2) {
+    int g = g_begin;
+    for (; g + 1 < g1; g += 2) {
       step(Pre0{}, g);
       step(Pre1{}, g + 1);
     }
-    if (g < t.g1) step(Pre0{}, g);
+    if (g < g1) step(Pre0{}, g);
 
     // Epilogue: pairs of adjacent features of one token (one store where F is even, so the pair is
     // aligned); tokens of this batch only, features < F.
     const bool paired = p.f % 2 == 0 && p.split_k == 1;
 #pragma unroll
-    for (int i = 0; i < kTok / 2; i += 2) {
+    for (int i = 0; i < kFeatTile / 2; i += 2) {
       const int64_t m = t.m0 + tok_row + 8 * ((i / 2) % 2);
       const int64_t f = t.f0 + 8 * (i / 4) + 2 * (lane % 4);
       if (m >= t.m_end || f >= p.f) continue;
@@ -486,11 +492,12 @@ struct Pipeline {
 };
 
 template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false>
-__global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerSm)
+__global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
   static_assert(!kF16 || (kInt4 && kParts == 1 && kTok <= 32), "the f16 path is for plain int4 decode tiles");
   using L = Layout<kTok, kInt4, kParts, kF16>;
+  constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
   const HopperGemmParams& p = args.p;
   const int stages = args.stages;
   const int64_t groups = args.groups;
@@ -511,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       sm90::MbarInit(&full[s], 1);
-      sm90::MbarInit(&empty[s], 8);   // one arrival per consumer warp
+      sm90::MbarInit(&empty[s], ThreadsOf<kTok, kTokenRows>() / 32 - 4);  // one arrival per consumer warp
       sm90::MbarInit(&xready[s], 3);  // one arrival per converting warp
     }
     sm90::FenceBarrierInit();
@@ -528,7 +535,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
 
   if (wg == 0) {
     // ------------------------------------------------------------------------------- producer
-    sm90::ReleaseNReg<Occupancy<kTok, kParts>::kProducerRegs>();
+    sm90::ReleaseNReg<kConsumers == 3 ? 32 : Occupancy<kTok, kParts>::kProducerRegs>();
     if constexpr (kF16) {
       if (threadIdx.x >= 32) {  // warps 1..3: the activations to f16, stage by stage, as they land
         const int lane = threadIdx.x % 32;
@@ -564,12 +571,13 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   }
 
   // --------------------------------------------------------------------------------- consumers
-  sm90::SetMaxNReg<Occupancy<kTok, kParts>::kConsumerRegs>();
+  sm90::SetMaxNReg<kConsumers == 3 ? 160 : Occupancy<kTok, kParts>::kConsumerRegs>();
   if constexpr (kTokenRows) {
-    static_assert(kTok == 128 && !kInt4 && kParts == 1 && !kF16, "token rows: the einsum's 128-token tiles");
-    ConsumeTokenRows(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
+    static_assert((kTok == 128 || kTok == 192) && !kInt4 && kParts == 1 && !kF16,
+                  "token rows: the einsum's 128- or 192-token tiles");
+    ConsumeTokenRows<kTok>(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
     return;
-  }
+  } else {
   constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16>::kDepth;
   const int cw = wg - 1;                 // consumer warpgroup: weight rows [64 cw, 64 cw + 64)
   const int tid = threadIdx.x % 128;
@@ -803,6 +811,7 @@ __global__ void __launch_bounds__(kThreads, Occupancy<kTok, kParts>::kBlocksPerS
   if constexpr (ordered) {
     if (cw == 0 && issued_any) sm90::NamedBarrierSync(1, 256);
   }
+  }  // weights on the A side
 }
 
 // Activation scales into the kernel's layout, and the split-K workspace cleared (n_zero floats): one
@@ -928,7 +937,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   }
   const int64_t out_elems = p.m * p.h * p.f;
   KernelArgs args{p, stages, p.k / kKGroup};
-  kernel<<<dev.sms * kBlocks, kThreads, smem, stream>>>(args, map_w, map_x, map_sx);
+  kernel<<<dev.sms * kBlocks, ThreadsOf<kTok, kTokenRows>(), smem, stream>>>(args, map_w, map_x, map_sx);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   if (p.split_k > 1) {
     const int blocks = static_cast<int>(std::min<int64_t>((out_elems + 255) / 256, dev.sms * 8));
@@ -957,6 +966,9 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
       // The block-scaled einsum (one weight scale per 128 rows) runs with tokens on the A side.
       if (!kInt4 && p.sw_row_shift == 7) return Launch<128, false, 1, false, true>(p, stream, dev);
       return Launch<128, kInt4, 1>(p, stream, dev);
+    case 192:  // block-scaled einsum only (HopperGemmSupported): three consumer warpgroups of 64 tokens
+      if constexpr (!kInt4) return Launch<192, false, 1, false, true>(p, stream, dev);
+      return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
 }
@@ -980,8 +992,12 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   if (p.m >= (int64_t{1} << 31) || p.f >= (int64_t{1} << 31) || p.h >= (int64_t{1} << 31)) {
     *why = "dimension too large for TMA coordinates"; return false;
   }
-  if (p.tile_tokens != 16 && p.tile_tokens != 32 && p.tile_tokens != 64 && p.tile_tokens != 128) {
-    *why = "tile_tokens must be 16, 32, 64 or 128"; return false;
+  if (p.tile_tokens != 16 && p.tile_tokens != 32 && p.tile_tokens != 64 && p.tile_tokens != 128 &&
+      p.tile_tokens != 192) {
+    *why = "tile_tokens must be 16, 32, 64, 128 or 192"; return false;
+  }
+  if (p.tile_tokens == 192 && (p.w_int4 || p.sw_row_shift != 7)) {
+    *why = "tile_tokens 192 is for the block-scaled fp8 einsum (one weight scale per 128 rows)"; return false;
   }
   if (p.int4_f16 && (!p.w_int4 || p.fused_up || p.tile_tokens > 32)) {
     *why = "the f16 MMA path needs int4 weights, no fusion and tile_tokens <= 32"; return false;

@@ -41,7 +41,7 @@ struct HopperGemmParams {
   float* split_ws;             // float32 [M, H, F] scratch, needed when split_k > 1 (cleared here)
   int64_t m, h, f, k, b, mp;
   int split_k;                 // K groups split across this many units (fp32 atomics + a finish pass)
-  int tile_tokens;             // 16, 32, 64 or 128
+  int tile_tokens;             // 16, 32, 64 or 128; 192 for the block-scaled fp8 einsum
   // int4 weights: MMA in f16 (int4 -> f16 costs half the integer instructions of int4 -> e4m3; the
   // activations go to f16 once per stage) instead of e4m3; tile_tokens 16 or 32, not fused.
   bool int4_f16 = false;
