@@ -20,7 +20,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 RESULTS = HERE / "RESULTS.md"
 
 
-def bench(fn, arg_sets, n=None, rounds=5, device_loop=True, min_program_s=2e-3, max_n=200):
+def bench(fn, arg_sets, n=None, rounds=5, device_loop=True, min_program_s=5e-3, max_n=200):
     """Seconds per call of ``fn(*args)``: median over ``rounds`` of ``n`` calls over ``arg_sets``.
 
     With ``device_loop`` the ``n`` calls run inside one jitted program (unrolled, chained through

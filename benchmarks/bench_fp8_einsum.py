@@ -55,7 +55,7 @@ def run(args):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
             x8, xs = quant.quantize_fp8_groups(x, ue8m0=True)
             xc = quant.encode_ue8m0(xs)
-            plan = tiling.plan_fp8_einsum(m, 1, n, k)
+            plan = tiling.plan_fp8_einsum(m, 1, n, k, block_scaled=True)  # UE8M0 128x128 weight blocks
             ours = jax.jit(lambda a, sa, b, sb: ops.fp8_einsum("md,nd->mn", a, sa, b, sb))
             t = C.bench(ours, [(x8, xc, q, s) for q, s in w8])
             got = ours(x8, xc, *w8[0]).astype(jnp.float32)
@@ -91,7 +91,7 @@ def run(args):
         for b in bs:
             x = jax.random.normal(jax.random.fold_in(key, b), (b, h, rr), jnp.bfloat16)
             x8, xs = quant.quantize_fp8_groups(x)
-            plan = tiling.plan_fp8_einsum(b, h, d, rr)
+            plan = tiling.plan_fp8_einsum(b, h, d, rr, block_scaled=True)
             ours = jax.jit(lambda a, sa, c, sc: ops.fp8_einsum("bhr,hdr->bhd", a, sa, c, sc))
             t = C.bench(ours, [(x8, xs, wq, wsc)])
             got = ours(x8, xs, wq, wsc).astype(jnp.float32)
