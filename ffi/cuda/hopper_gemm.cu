@@ -48,6 +48,7 @@ constexpr int ThreadsOf() { return 128 * (1 + (kTokenRows ? kTok / 64 : 2)); }
 constexpr int kFeatTile = 128;     // weight rows per unit (64 per consumer warpgroup)
 constexpr int kKGroup = 128;       // K per stage = one scale group
 constexpr int kMaxBatches = 1024;  // batches (experts / heads) the on-device unit table holds
+constexpr int kPanelTiles = 8;     // token tiles per panel of the unit order (DecodeUnit)
 constexpr size_t kSmemBudget = 220 * 1024;
 
 struct KernelArgs {
@@ -226,8 +227,20 @@ __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const Unit
   x.zero = lo >= p.b;
   const int64_t r = u - t.prefix[lo];
   const int64_t tok_tiles = (t.end[lo] - t.start[lo] + kTok - 1) / kTok;
-  x.m0 = t.start[lo] + (r % tok_tiles) * kTok;
-  x.f0 = (r / tok_tiles) * kFeatTile;
+  if constexpr (kTok >= 128) {
+    // Prefill tiles: token tiles in panels of kPanelTiles, token tile fastest within a panel, then
+    // feature tile, then the next panel, so the blocks running at once share one activation panel and
+    // a few dozen weight tiles in L2 (token tile fastest over all of M reads every activation row once
+    // per wave: at 16k tokens more than L2 holds). 32-bit: a batch's tile counts fit.
+    const int rr = static_cast<int>(r), feats = static_cast<int>(feat_tiles), tt = static_cast<int>(tok_tiles);
+    const int panel = rr / (kPanelTiles * feats), within = rr - panel * (kPanelTiles * feats);
+    const int panel_tiles = min(kPanelTiles, tt - panel * kPanelTiles);
+    x.m0 = t.start[lo] + static_cast<int64_t>(panel * kPanelTiles + within % panel_tiles) * kTok;
+    x.f0 = static_cast<int64_t>(within / panel_tiles) * kFeatTile;
+  } else {  // decode tiles: a batch rarely has more than one token tile
+    x.m0 = t.start[lo] + (r % tok_tiles) * kTok;
+    x.f0 = (r / tok_tiles) * kFeatTile;
+  }
   x.m_end = t.end[lo];
   x.g0 = 0;
   x.g1 = 0;
