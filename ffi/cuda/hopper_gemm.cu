@@ -214,7 +214,7 @@ struct Unit {
   bool zero;
 };
 
-template <int kTok>
+template <int kTok, bool kPanels>
 __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const UnitTable& t, int64_t u,
                                            int64_t feat_tiles) {
   int lo = 0, hi = t.nb - 1;  // last batch with prefix[b] <= u
@@ -227,8 +227,8 @@ __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const Unit
   x.zero = lo >= p.b;
   const int64_t r = u - t.prefix[lo];
   const int64_t tok_tiles = (t.end[lo] - t.start[lo] + kTok - 1) / kTok;
-  if constexpr (kTok >= 128) {
-    // Prefill tiles: token tiles in panels of kPanelTiles, token tile fastest within a panel, then
+  if constexpr (kPanels) {
+    // fp8 prefill tiles: token tiles in panels of kPanelTiles, token tile fastest within a panel, then
     // feature tile, then the next panel, so the blocks running at once share one activation panel and
     // a few dozen weight tiles in L2 (token tile fastest over all of M reads every activation row once
     // per wave: at 16k tokens more than L2 holds). 32-bit: a batch's tile counts fit.
@@ -237,7 +237,8 @@ __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const Unit
     const int panel_tiles = min(kPanelTiles, tt - panel * kPanelTiles);
     x.m0 = t.start[lo] + static_cast<int64_t>(panel * kPanelTiles + within % panel_tiles) * kTok;
     x.f0 = static_cast<int64_t>(within / panel_tiles) * kFeatTile;
-  } else {  // decode tiles: a batch rarely has more than one token tile
+  } else {  // decode tiles (a batch rarely has more than one token tile) and int4 experts (whose weights
+            // fit in L2 whatever the order)
     x.m0 = t.start[lo] + (r % tok_tiles) * kTok;
     x.f0 = (r / tok_tiles) * kFeatTile;
   }
@@ -267,18 +268,18 @@ struct WorkCursor {
     }
   }
 
-  template <int kTok>
+  template <int kTok, bool kPanels>
   __device__ __forceinline__ bool Next(const HopperGemmParams& p, const UnitTable& table, int64_t feat_tiles,
                                        int64_t groups, Unit& t) {
     if (cursor >= end) return false;
     if (!stream_k) {
-      t = DecodeUnit<kTok>(p, table, cursor, feat_tiles);
+      t = DecodeUnit<kTok, kPanels>(p, table, cursor, feat_tiles);
       t.g0 = 0;
       t.g1 = groups;
       cursor += gridDim.x;
       return true;
     }
-    t = DecodeUnit<kTok>(p, table, cursor / groups, feat_tiles);
+    t = DecodeUnit<kTok, kPanels>(p, table, cursor / groups, feat_tiles);
     t.g0 = cursor % groups;
     t.g1 = min(groups, t.g0 + (end - cursor));
     cursor += t.g1 - t.g0;
@@ -289,14 +290,14 @@ struct WorkCursor {
 // Calls f(unit, g, stage, phase) for every (unit, K group) whose stage this block loads, in order
 // (zero-fill units load nothing), advancing the ring of stages: the TMA producer and the f16 path's
 // converting warps walk the same sequence through it.
-template <int kTok, typename F>
+template <int kTok, bool kPanels, typename F>
 __device__ __forceinline__ void ForEachLoadedGroup(const HopperGemmParams& p, const UnitTable& table,
                                                    int64_t total_units, int64_t feat_tiles, int64_t groups,
                                                    int stages, F&& f) {
   int stage = 0;
   uint32_t phase = 0;
   WorkCursor work(p, total_units, groups);
-  for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
+  for (Unit t; work.Next<kTok, kPanels>(p, table, feat_tiles, groups, t);) {
     if (t.zero) continue;
     for (int64_t g = t.g0; g < t.g1; ++g) {
       f(t, g, stage, phase);
@@ -413,7 +414,7 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
   uint32_t phase = 0;
   bool issued_any = false;
   WorkCursor work(p, total_units, groups);
-  for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
+  for (Unit t; work.Next<kTok, true>(p, table, feat_tiles, groups, t);) {
     float total[kFeatTile / 2];
 #pragma unroll
     for (int i = 0; i < kFeatTile / 2; ++i) total[i] = 0.0f;
@@ -511,6 +512,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   static_assert(!kF16 || (kInt4 && kParts == 1 && kTok <= 32), "the f16 path is for plain int4 decode tiles");
   using L = Layout<kTok, kInt4, kParts, kF16>;
   constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
+  constexpr bool kPanels = kTok >= 128 && !kInt4;  // unit order: see DecodeUnit
   const HopperGemmParams& p = args.p;
   const int stages = args.stages;
   const int64_t groups = args.groups;
@@ -552,7 +554,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     if constexpr (kF16) {
       if (threadIdx.x >= 32) {  // warps 1..3: the activations to f16, stage by stage, as they land
         const int lane = threadIdx.x % 32;
-        ForEachLoadedGroup<kTok>(p, table, total_units, feat_tiles, groups, stages,
+        ForEachLoadedGroup<kTok, kPanels>(p, table, total_units, feat_tiles, groups, stages,
                                  [&](const Unit&, int64_t, int stage, uint32_t phase) {
                                    sm90::MbarWait(&full[stage], phase);
                                    uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
@@ -565,7 +567,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       }
     }
     if (threadIdx.x != 0) return;
-    ForEachLoadedGroup<kTok>(p, table, total_units, feat_tiles, groups, stages,
+    ForEachLoadedGroup<kTok, kPanels>(p, table, total_units, feat_tiles, groups, stages,
                              [&](const Unit& t, int64_t g, int stage, uint32_t phase) {
       sm90::MbarWait(&empty[stage], phase ^ 1);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
@@ -620,7 +622,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     }
   };
   WorkCursor work(p, total_units, groups);
-  for (Unit t; work.Next<kTok>(p, table, feat_tiles, groups, t);) {
+  for (Unit t; work.Next<kTok, kPanels>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
     float total[kParts][kTok / 2];
 #pragma unroll
