@@ -14,8 +14,8 @@ products and one FMA per accumulator. The heuristic:
   deviations of routing spread (``r + 2 sqrt(r)``, Poisson-like). An expert whose rows overflow
   the tile gets a second token tile, which reads all of its weights again: at decode that costs
   far more than a wider MMA (16 rows per expert: tile 32, not 16). Prefill uses 128 for arithmetic
-  intensity; the block-scaled einsum uses 192 where that pads M by at most 10% more than 128 would
-  (M >= 2048 in practice). H200, same run, M = 2048 / 4096 / 16384, 192 vs 128-token tiles: q_a
+  intensity; the block-scaled einsum uses 192 from M = 2048 where that pads M by at most 10% more
+  than 128 would. H200, same run, M = 2048 / 4096 / 16384, 192 vs 128-token tiles: q_a
   1.16x / 1.22x / 1.10x, o_proj 1.03x / 1.03x / 1.08x, dense MLP up 1.06x / 1.03x / 1.04x, q_b
   1.10x / 1.06x / 0.98x, square 7168 0.98x / 1.00x / 1.00x, kv_a 1.24x / 0.93x / 0.98x; at M = 256
   .. 1024, where 192 pads more, it loses up to 0.62x.
@@ -156,10 +156,11 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
 
 
 def _einsum_tile(m: int, block_scaled: bool) -> int:
-    """Token tile of the einsum: as :func:`_tile_for`, except that a block-scaled einsum with more
-    than 128 rows takes 192-token tiles unless they pad M by over 10% more than 128-token tiles."""
+    """Token tile of the einsum: as :func:`_tile_for`, except that a block-scaled einsum with at least
+    2048 rows (where 192 was measured to pay) takes 192-token tiles unless they pad M by over 10% more
+    than 128-token tiles."""
     tile = _tile_for(m, spread=False)
-    if block_scaled and m > 128 and -(-m // 192) * 192 <= 1.1 * (-(-m // 128) * 128):
+    if block_scaled and m >= 2048 and -(-m // 192) * 192 <= 1.1 * (-(-m // 128) * 128):
         return 192
     return tile
 

@@ -79,11 +79,13 @@ def test_mma_format_follows_the_tile():
 
 
 def test_block_scaled_einsum_takes_192_token_tiles_where_they_pad_little():
-    # 192-token tiles (three consumer warpgroups) unless they pad M by > 10% more than 128-token tiles.
+    # 192-token tiles (three consumer warpgroups) from 2048 rows, unless they pad M by > 10% more.
     plan = lambda m, **kw: tiling.plan_fp8_einsum(m, 1, 7168, 7168, num_sms=SMS, **kw)
     assert plan(4096, block_scaled=True).tile_tokens == 192
     assert plan(16384, block_scaled=True).tile_tokens == 192
-    assert plan(512, block_scaled=True).tile_tokens == 128  # 576 vs 512 padded rows
+    assert plan(512, block_scaled=True).tile_tokens == 128  # below 2048 rows 192 was not measured to pay
+    assert plan(1536, block_scaled=True).tile_tokens == 128
+    assert plan(2048, block_scaled=True).tile_tokens == 192  # 2112 vs 2048 padded rows
     assert plan(4096).tile_tokens == 128  # per-row weight scales: up to 128
     assert plan(64, block_scaled=True).tile_tokens == 64
     assert plan(4096, block_scaled=True, tile_tokens=128).tile_tokens == 128
