@@ -1,6 +1,6 @@
 // The Hopper tensor-core kernel of ops.w4a8_grouped_gemm and ops.fp8_einsum (see hopper_gemm.cuh).
 //
-// Block of 384 threads, one or two per SM (persistent):
+// Block of 384 threads (512 for the einsum's 192-token tiles), one or two per SM (persistent):
 //   warpgroup 0  producer: one thread issues TMA loads of a weight tile (128 rows x one K group), an
 //                activation tile (tile_tokens rows x 128) and its scales into a ring of stages;
 //   warpgroups 1, 2  consumers, 64 weight rows each: run 4 wgmma m64 x n(tile_tokens) x k32 into a
@@ -13,8 +13,9 @@
 //   f16 MMA path (int4 weights, int4_f16, token tiles 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions), warps 1..3 of the producer warpgroup convert each
 //                activation tile to f16 in the matching K order (ConvertX) and signal xready.
-// Block-scaled einsum at 128-token tiles (ConsumeTokenRows): the same stages, but the consumers put 64
-//                tokens each on wgmma's A side and the 128 weight rows on its N side.
+// Block-scaled einsum at 128- and 192-token tiles (ConsumeTokenRows): the same stages, but two or three
+//                consumer warpgroups put 64 tokens each on wgmma's A side and the 128 weight rows on
+//                its N side, taking turns.
 // Units of work (batch, token tile, feature tile, K split) are numbered on the device from
 // group_sizes, so nothing waits for the host and any group_sizes content is safe (clamped as in
 // common/groups.h). Without split-K the blocks take whole units in turn: each rounds and stores its
