@@ -395,12 +395,13 @@ __device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64
   }
 }
 
-// The consumers of the block-scaled einsum's 128-token tiles (e4m3 weights, one weight scale per
-// 128 rows and K group): tokens on wgmma's A side (64 per warpgroup), the 128 weight rows on its N
-// side. Every accumulator of a thread then shares one weight scale and one of two token scales, so
+// The consumers of the block-scaled einsum's 128- and 192-token tiles (e4m3 weights, one weight scale
+// per 128 rows and K group): tokens on wgmma's A side (64 per warpgroup, kTok / 64 warpgroups), the 128
+// weight rows on its N side. Every accumulator of a thread then shares one weight scale and one of two token scales, so
 // the promotion is one FFMA per accumulator plus two products (the swapped form needs a scale per
 // (row, token) pair: 32 loads and 32 products more per group), and the epilogue writes pairs of
-// adjacent features. The warpgroups take turns issuing MMAs (named barriers 1 and 2, as below).
+// adjacent features. The warpgroups take turns issuing MMAs in a ring (warpgroup cw waits on named
+// barrier 1 + cw and passes to the next one's).
 template <int kTok>
 __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, const UnitTable& table,
                                                  int64_t total_units, int64_t feat_tiles, int64_t groups,
@@ -484,7 +485,8 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
       }
     }
   }
-  // Warpgroup 1's last pass has no matching wait: take it, so no barrier is left half-arrived.
+  // The last warpgroup's last pass (to warpgroup 0) has no matching wait: take it, so no barrier is
+  // left half-arrived.
   if (cw == 0 && issued_any) sm90::NamedBarrierSync(1, 256);
 }
 

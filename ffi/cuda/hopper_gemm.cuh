@@ -1,6 +1,6 @@
 // The Hopper tensor-core kernel behind both ops: a persistent, warp-specialised, TMA-fed fp8 wgmma
 // GEMM with float32 promotion per 128-wide K group, run "swap AB" (weights on the wide MMA side), except
-// for the block-scaled einsum's 128-token tiles, which put the tokens on the MMA's A side.
+// for the block-scaled einsum's 128- and 192-token tiles, which put the tokens on the MMA's A side.
 //
 // Problem, for each batch b (an expert of the grouped GEMM, or a head of the per-head einsum):
 //   out[m, head, f] = sum_g sx[g, head, m] * sw(b, f, g) * sum_{k in g} x[m, head, k] * w[b, f, k]
