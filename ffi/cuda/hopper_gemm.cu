@@ -413,6 +413,10 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
   int stage = 0;
   uint32_t phase = 0;
   bool issued_any = false;
+  // Stage 0's descriptors: tokens (A: this warpgroup's 64 rows of the activation tile) and weights (B).
+  // The warpgroup index through a shuffle: warp-uniform, so the descriptors live in uniform registers.
+  const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
+  const uint64_t desc_w0 = sm90::DescSw128(smem, 0);
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, true>(p, table, feat_tiles, groups, t);) {
     float total[kFeatTile / 2];
@@ -435,14 +439,16 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
       sm90::MbarWait(&full[stage], phase);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       const int my_stage = stage;
+      // Descriptors of this stage's tiles, advanced from stage 0's: the address field is bits 0..13 of
+      // the descriptor (bytes / 16; shared memory < 256 KB, so no carry), 32 K bytes = 2.
+      const uint64_t stage_desc = static_cast<uint64_t>(__shfl_sync(0xffffffffu, my_stage, 0)) * (L::kStageBytes >> 4);
       if (++stage == stages) { stage = 0; phase ^= 1; }
       float acc[kFeatTile / 2];
       if (issued_any || cw > 0) sm90::NamedBarrierSync(1 + cw, 256);
       sm90::WgmmaFence();
 #pragma unroll
       for (int kc = 0; kc < 4; ++kc)
-        Wgmma<kFeatTile>(acc, sm90::DescSw128(st + L::kWBytes + cw * 64 * kKGroup, kc * 32), sm90::DescSw128(st, kc * 32),
-                    kc > 0);
+        Wgmma<kFeatTile>(acc, desc_x0 + stage_desc + 2 * kc, desc_w0 + stage_desc + 2 * kc, kc > 0);
       sm90::WgmmaCommit();
       sm90::NamedBarrierArrive(1 + (cw + 1) % kCw, 256);
       issued_any = true;
