@@ -627,6 +627,13 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       issued_any = true;
     }
   };
+  // Stage 0's descriptors (activation tile; e4m3 weight rows of this warpgroup), on the uniform datapath
+  // (the warp-uniform warpgroup index through a shuffle); a stage adds its offset / 16, 32 K bytes add 2.
+  const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes, 0);
+  uint64_t desc_w0[kParts];
+#pragma unroll
+  for (int part = 0; part < kParts; ++part)
+    desc_w0[part] = sm90::DescSw128(smem + part * L::kWPartBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, kPanels>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
@@ -728,16 +735,20 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         }
         turn_wait();
         sm90::WgmmaFence();
+        // Uniform-datapath descriptors pay everywhere except in the fused kernels (their registers are
+        // tight: they would spill in the loop).
+        const uint64_t stage_desc =
+            static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
-            const uint64_t desc_x = sm90::DescSw128(x_tile, kc * 32);
+            const uint64_t desc_x =
+                kParts == 1 ? desc_x0 + stage_desc + 2 * kc : sm90::DescSw128(x_tile, kc * 32);
             if constexpr (kInt4) {
               WgmmaRs<kTok>(acc[S][part], afrag[S][part][kc], desc_x, kc > 0);
             } else {
-              Wgmma<kTok>(acc[S][part], sm90::DescSw128(st + part * L::kWPartBytes + cw * 64 * kKGroup, kc * 32),
-                          desc_x, kc > 0);
+              Wgmma<kTok>(acc[S][part], desc_w0[part] + stage_desc + 2 * kc, desc_x, kc > 0);
             }
           }
         sm90::WgmmaCommit();
