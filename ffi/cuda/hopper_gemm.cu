@@ -630,6 +630,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   // Stage 0's descriptors (activation tile; e4m3 weight rows of this warpgroup), on the uniform datapath
   // (the warp-uniform warpgroup index through a shuffle); a stage adds its offset / 16, 32 K bytes add 2.
   const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes, 0);
+  const uint64_t desc_xh0 = sm90::DescNoSwizzle(sm90::SmemAddr(smem + L::kXhOffset), 128, 256);  // f16 path
   uint64_t desc_w0[kParts];
 #pragma unroll
   for (int part = 0; part < kParts; ++part)
@@ -706,11 +707,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         }
         turn_wait();
         sm90::WgmmaFence();
-        const uint32_t xh = sm90::SmemAddr(st + L::kXhOffset);
+        const uint64_t stage_desc =
+            static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
 #pragma unroll
         for (int step = 0; step < 8; ++step)
-          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], sm90::DescNoSwizzle(xh + step * (kTok * 32), 128, 256),
-                           step > 0);
+          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], desc_xh0 + stage_desc + step * (kTok * 32 / 16), step > 0);
         sm90::WgmmaCommit();
         turn_pass();
       } else {
