@@ -414,6 +414,10 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
   int stage = 0;
   uint32_t phase = 0;
   bool issued_any = false;
+  // Stage 0's descriptors: tokens (A: this warpgroup's 64 rows of the activation tile) and weights (B).
+  // The warpgroup index through a shuffle: warp-uniform, so the descriptors live in uniform registers.
+  const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
+  const uint64_t desc_w0 = sm90::DescSw128(smem, 0);
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, true>(p, table, feat_tiles, groups, t);) {
     float total[kFeatTile / 2];
@@ -436,14 +440,16 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
       sm90::MbarWait(&full[stage], phase);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       const int my_stage = stage;
+      // Descriptors of this stage's tiles, advanced from stage 0's: the address field is bits 0..13 of
+      // the descriptor (bytes / 16; shared memory < 256 KB, so no carry), 32 K bytes = 2.
+      const uint64_t stage_desc = static_cast<uint64_t>(__shfl_sync(0xffffffffu, my_stage, 0)) * (L::kStageBytes >> 4);
       if (++stage == stages) { stage = 0; phase ^= 1; }
       float acc[kFeatTile / 2];
       if (issued_any || cw > 0) sm90::NamedBarrierSync(1 + cw, 256);
       sm90::WgmmaFence();
 #pragma unroll
       for (int kc = 0; kc < 4; ++kc)
-        Wgmma<kFeatTile>(acc, sm90::DescSw128(st + L::kWBytes + cw * 64 * kKGroup, kc * 32), sm90::DescSw128(st, kc * 32),
-                    kc > 0);
+        Wgmma<kFeatTile>(acc, desc_x0 + stage_desc + 2 * kc, desc_w0 + stage_desc + 2 * kc, kc > 0);
       sm90::WgmmaCommit();
       sm90::NamedBarrierArrive(1 + (cw + 1) % kCw, 256);
       issued_any = true;
@@ -622,6 +628,14 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       issued_any = true;
     }
   };
+  // Stage 0's descriptors (activation tile; e4m3 weight rows of this warpgroup), on the uniform datapath
+  // (the warp-uniform warpgroup index through a shuffle); a stage adds its offset / 16, 32 K bytes add 2.
+  const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes, 0);
+  const uint64_t desc_xh0 = sm90::DescNoSwizzle(sm90::SmemAddr(smem + L::kXhOffset), 128, 256);  // f16 path
+  uint64_t desc_w0[kParts];
+#pragma unroll
+  for (int part = 0; part < kParts; ++part)
+    desc_w0[part] = sm90::DescSw128(smem + part * L::kWPartBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, kPanels>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
@@ -694,11 +708,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         }
         turn_wait();
         sm90::WgmmaFence();
-        const uint32_t xh = sm90::SmemAddr(st + L::kXhOffset);
+        const uint64_t stage_desc =
+            static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
 #pragma unroll
         for (int step = 0; step < 8; ++step)
-          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], sm90::DescNoSwizzle(xh + step * (kTok * 32), 128, 256),
-                           step > 0);
+          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], desc_xh0 + stage_desc + step * (kTok * 32 / 16), step > 0);
         sm90::WgmmaCommit();
         turn_pass();
       } else {
@@ -723,16 +737,20 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         }
         turn_wait();
         sm90::WgmmaFence();
+        // Uniform-datapath descriptors pay everywhere except in the fused kernels (their registers are
+        // tight: they would spill in the loop).
+        const uint64_t stage_desc =
+            static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
-            const uint64_t desc_x = sm90::DescSw128(x_tile, kc * 32);
+            const uint64_t desc_x =
+                kParts == 1 ? desc_x0 + stage_desc + 2 * kc : sm90::DescSw128(x_tile, kc * 32);
             if constexpr (kInt4) {
               WgmmaRs<kTok>(acc[S][part], afrag[S][part][kc], desc_x, kc > 0);
             } else {
-              Wgmma<kTok>(acc[S][part], sm90::DescSw128(st + part * L::kWPartBytes + cw * 64 * kKGroup, kc * 32),
-                          desc_x, kc > 0);
+              Wgmma<kTok>(acc[S][part], desc_w0[part] + stage_desc + 2 * kc, desc_x, kc > 0);
             }
           }
         sm90::WgmmaCommit();
