@@ -23,7 +23,7 @@
 // split_k > 1 the kernel runs stream-K: the (unit, K group) iterations are dealt out in equal
 // contiguous ranges, one per block (so no wave is left part-empty), a block's range is cut into
 // pieces at unit edges, and each piece adds its partial sums to a zeroed fp32 workspace with
-// atomics; a second pass rounds them.
+// atomics; the piece whose K groups complete a unit (a counter per consumer warp) rounds and stores it.
 #include <cuda.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -269,6 +269,9 @@ struct WorkCursor {
     }
   }
 
+  // Stream-K: the unit of the piece Next returned last (its last iteration is cursor - 1).
+  __device__ __forceinline__ int64_t PieceUnit(int64_t groups) const { return (cursor - 1) / groups; }
+
   template <int kTok, bool kPanels>
   __device__ __forceinline__ bool Next(const HopperGemmParams& p, const UnitTable& table, int64_t feat_tiles,
                                        int64_t groups, Unit& t) {
@@ -395,13 +398,40 @@ __device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64
   }
 }
 
+// Stream-K fix-up (split_k > 1), called by a whole warp after each lane added its partial sums for
+// this piece: the warp adds the piece's K groups to its counter for the unit (one per consumer warp:
+// the same warp of every piece adds the same elements); true in the warp whose count completes the
+// unit's K groups, which then reads the sums back (__ldcg) and stores them rounded.
+constexpr int kCounterSlots = 12;  // counters per unit: up to 3 consumer warpgroups x 4 warps
+
+__device__ __forceinline__ bool PieceCompletesUnit(const HopperGemmParams& p, const Unit& t, int64_t unit,
+                                                   int64_t groups, int warp_slot, int lane) {
+  __threadfence();  // this lane's sums are visible device-wide before the count says so
+  __syncwarp();
+  const int mine = static_cast<int>(t.g1 - t.g0);
+  int done = 0;
+  int* counters = reinterpret_cast<int*>(p.split_ws + p.m * p.h * p.f);  // after the sums (see UnitsBound)
+  if (lane == 0) done = atomicAdd(counters + unit * kCounterSlots + warp_slot, mine) + mine;
+  done = __shfl_sync(0xffffffffu, done, 0);
+  if (done != groups) return false;
+  __threadfence();  // the other pieces' sums, fenced before their counts, are visible from here
+  return true;
+}
+
+// The rounded value of element idx once every piece has added to it.
+__device__ __forceinline__ void StoreFinished(const HopperGemmParams& p, int64_t idx) {
+  const float v = __ldcg(p.split_ws + idx);
+  if (p.out_bf16) static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(v);
+  else static_cast<float*>(p.out)[idx] = v;
+}
+
 // The consumers of the block-scaled einsum's 128-token tiles (e4m3 weights, one weight scale per
 // 128 rows and K group): tokens on wgmma's A side (64 per warpgroup), the 128 weight rows on its N
 // side. Every accumulator of a thread then shares one weight scale and one of two token scales, so
 // the promotion is one FFMA per accumulator plus two products (the swapped form needs a scale per
 // (row, token) pair: 32 loads and 32 products more per group), and the epilogue writes pairs of
 // adjacent features. The warpgroups take turns issuing MMAs (named barriers 1 and 2, as below).
-template <int kTok>
+template <int kTok, bool kStreamK>
 __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, const UnitTable& table,
                                                  int64_t total_units, int64_t feat_tiles, int64_t groups,
                                                  int stages, uint8_t* smem, uint64_t* full, uint64_t* empty,
@@ -489,6 +519,19 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
         if (second) StoreOutput(p, idx + 1, total[i + 1]);
       }
     }
+    if constexpr (kStreamK) {  // a kernel of its own: this code costs the 192-token MMA loop two spills
+      if (PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane)) {
+#pragma unroll
+        for (int i = 0; i < kFeatTile / 2; i += 2) {
+          const int64_t m = t.m0 + tok_row + 8 * ((i / 2) % 2);
+          const int64_t f = t.f0 + 8 * (i / 4) + 2 * (lane % 4);
+          if (m >= t.m_end || f >= p.f) continue;
+          const int64_t idx = (m * p.h + t.head) * p.f + f;
+          StoreFinished(p, idx);
+          if (f + 1 < p.f) StoreFinished(p, idx + 1);
+        }
+      }
+    }
   }
   // Warpgroup 1's last pass has no matching wait: take it, so no barrier is left half-arrived.
   if (cw == 0 && issued_any) sm90::NamedBarrierSync(1, 256);
@@ -512,7 +555,8 @@ struct Pipeline {
   static constexpr int kDepth = kRegs <= (Occupancy<kTok, kParts>::kBlocksPerSm == 2 ? 56 : 160) ? 2 : 1;
 };
 
-template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false>
+// kStreamK (token rows only): the split_k > 1 form, with the fix-up that rounds completed units.
+template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false, bool kStreamK = false>
 __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
@@ -597,7 +641,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   if constexpr (kTokenRows) {
     static_assert((kTok == 128 || kTok == 192) && !kInt4 && kParts == 1 && !kF16,
                   "token rows: the einsum's 128- or 192-token tiles");
-    ConsumeTokenRows<kTok>(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
+    ConsumeTokenRows<kTok, kStreamK>(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
     return;
   } else {
   constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16>::kDepth;
@@ -839,6 +883,15 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         if (m >= t.m_end || f >= p.f) continue;
         StoreOutput(p, (m * p.h + t.head) * p.f + f, total[0][i]);
       }
+      if (p.split_k > 1 && PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane)) {
+#pragma unroll
+        for (int i = 0; i < kTok / 2; ++i) {
+          const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+          const int64_t f = row0 + 8 * ((i / 2) % 2);
+          if (m >= t.m_end || f >= p.f) continue;
+          StoreFinished(p, (m * p.h + t.head) * p.f + f);
+        }
+      }
     }
   }
   // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
@@ -868,14 +921,6 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       }
     }
     dst[i] = v;
-  }
-}
-
-__global__ void FinishSplitK(const float* ws, void* out, bool out_bf16, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (out_bf16) static_cast<uint16_t*>(out)[i] = FloatToBf16Bits(ws[i]);
-    else static_cast<float*>(out)[i] = ws[i];
   }
 }
 
@@ -931,7 +976,7 @@ DeviceInfo CurrentDevice() {
 
 size_t TableBytes(int64_t nb) { return static_cast<size_t>(nb + 1) * 8 + static_cast<size_t>(nb) * 8; }
 
-template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows = false>
+template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows = false, bool kStreamK = false>
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   using L = Layout<kTok, kInt4, kParts, kF16>;
   const int64_t nb = p.b + 1;
@@ -954,7 +999,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
                       CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
 
-  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows>;
+  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK>;
   // The shared-memory opt-in once per device (to the device's limit): a host call saved on every launch.
   static std::mutex mu;
   static bool opted_in[64] = {};
@@ -969,16 +1014,9 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
       if (dev_id < 64) opted_in[dev_id] = true;
     }
   }
-  const int64_t out_elems = p.m * p.h * p.f;
   KernelArgs args{p, stages, p.k / kKGroup};
   kernel<<<dev.sms * kBlocks, ThreadsOf<kTok, kTokenRows>(), smem, stream>>>(args, map_w, map_x, map_sx);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (p.split_k > 1) {
-    const int blocks = static_cast<int>(std::min<int64_t>((out_elems + 255) / 256, dev.sms * 8));
-    FinishSplitK<<<blocks, 256, 0, stream>>>(p.split_ws, p.out, p.out_bf16, out_elems);
-    return cudaGetLastError();
-  }
-  return cudaSuccess;
+  return cudaGetLastError();
 }
 
 template <bool kInt4>
@@ -998,10 +1036,16 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
     case 64: return Launch<64, kInt4, 1>(p, stream, dev);
     case 128:
       // The block-scaled einsum (one weight scale per 128 rows) runs with tokens on the A side.
-      if (!kInt4 && p.sw_row_shift == 7) return Launch<128, false, 1, false, true>(p, stream, dev);
+      if (!kInt4 && p.sw_row_shift == 7) {
+        return p.split_k > 1 ? Launch<128, false, 1, false, true, true>(p, stream, dev)
+                             : Launch<128, false, 1, false, true>(p, stream, dev);
+      }
       return Launch<128, kInt4, 1>(p, stream, dev);
     case 192:  // block-scaled einsum only (HopperGemmSupported): three consumer warpgroups of 64 tokens
-      if constexpr (!kInt4) return Launch<192, false, 1, false, true>(p, stream, dev);
+      if constexpr (!kInt4) {
+        return p.split_k > 1 ? Launch<192, false, 1, false, true, true>(p, stream, dev)
+                             : Launch<192, false, 1, false, true>(p, stream, dev);
+      }
       return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
@@ -1043,18 +1087,33 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   return true;
 }
 
-size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k) {
+// Units of work at most (the einsum's exactly): a batch's rows in token tiles, each expert of the grouped
+// GEMM adding at most one partial tile, times the feature tiles.
+static int64_t UnitsBound(int64_t m, int64_t h, int64_t f, int tile_tokens, int64_t grouped_batches) {
+  const int64_t tile = tile_tokens > 0 ? tile_tokens : 1;
+  return (h * ((m + tile - 1) / tile) + grouped_batches) * ((f + kFeatTile - 1) / kFeatTile);
+}
+
+size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,
+                              int64_t grouped_batches) {
   const int64_t mp = (m + 3) / 4 * 4;
   size_t bytes = static_cast<size_t>(k / kKGroup) * h * mp * sizeof(float);
   bytes = (bytes + 255) / 256 * 256;
-  if (split_k > 1) bytes += static_cast<size_t>(m) * h * f * sizeof(float);
+  if (split_k > 1) {
+    bytes += static_cast<size_t>(m) * h * f * sizeof(float);
+    bytes += static_cast<size_t>(UnitsBound(m, h, f, tile_tokens, grouped_batches)) * kCounterSlots * sizeof(int32_t);
+  }
   return bytes;
 }
 
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const DeviceInfo dev = CurrentDevice();
   const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
-  const int64_t n_zero = p.split_k > 1 ? p.m * p.h * p.f : 0;
+  // split_k > 1: the sums [M, H, F] and after them the piece counters, cleared together.
+  const int64_t n_zero = p.split_k > 1 ? p.m * p.h * p.f + UnitsBound(p.m, p.h, p.f, p.tile_tokens,
+                                                                       p.group_sizes != nullptr ? p.b : 0) *
+                                                             kCounterSlots
+                                       : 0;
   if (n > 0 || n_zero > 0) {
     const int blocks = static_cast<int>(std::min<int64_t>((std::max(n, n_zero) + 255) / 256, int64_t{dev.sms} * 8));
     PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
