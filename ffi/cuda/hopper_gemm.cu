@@ -575,7 +575,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   uint64_t* empty = full + stages;
   uint64_t* xready = empty + stages;  // f16 path: the stage's activations are converted
   UnitTable table;
-  table.nb = static_cast<int>(p.b) + ((p.group_sizes != nullptr && p.split_k == 1) ? 1 : 0);
+  // The grouped GEMM's rows past the last expert are zero-filled by units of their own, split-K or not
+  // (with split-K the fix-up of those units writes the zeros: nothing else touches those rows).
+  table.nb = static_cast<int>(p.b) + (p.group_sizes != nullptr ? 1 : 0);
   table.prefix = reinterpret_cast<int64_t*>(xready + stages);
   table.start = reinterpret_cast<int32_t*>(table.prefix + table.nb + 1);
   table.end = table.start + table.nb;
