@@ -828,6 +828,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       };
       if (!kInt4 && p.sw_row_shift == 7) promote(std::true_type{});
       else promote(std::false_type{});
+      // The scale loads above read the stage through the generic proxy; the producer's next TMA writes
+      // it through the async proxy once the stage is free: a cross-proxy fence orders the two (without
+      // it the H200 now and then freed the stage before those loads had read it: one token's scale of
+      // one group was taken from the group `stages` later).
+      sm90::FenceProxyAsyncShared();
       __syncwarp();
       sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
     };
