@@ -26,8 +26,8 @@ products and one FMA per accumulator. The heuristic:
   kernel runs stream-K: the (unit, K group) iterations are dealt out in equal contiguous ranges, one
   per resident block, so every block streams the same number of K groups whatever the tile count.
   ``split_k`` is then the number of pieces an average tile is cut into (any value above 1 selects
-  stream-K in the kernel). Partial sums are added in float32 (atomics into a workspace) and rounded
-  once at the end, so the order of those additions varies between runs and outputs can differ in
+  stream-K in the kernel). Partial sums are added in float32 (atomics into a workspace); the piece
+  whose K groups complete a tile reads its sums back and rounds them once, so the order of those additions varies between runs and outputs can differ in
   the last bits from run to run; plans with ``split_k == 1`` are bitwise deterministic. A
   fixed-order reduction is future work.
 * ``mma`` (int4 weights, grouped GEMM): the tensor-core operand format. ``"e4m3"``: the int4 codes
@@ -55,6 +55,7 @@ __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "T
 TILE_TOKENS = (16, 32, 64, 128)
 EINSUM_TILE_TOKENS = TILE_TOKENS + (192,)  # 192: block-scaled fp8 einsum only
 _FEAT_TILE = 128
+_COUNTER_SLOTS = 12  # stream-K piece counters per unit: 3 consumer warpgroups x 4 warps
 _DEFAULT_SMS = 132  # H100 / H200 SXM
 
 
@@ -64,7 +65,7 @@ class GemmPlan:
 
     tile_tokens: int  # 0 (simple kernel), 16, 32, 64, 128 or (block-scaled einsum) 192
     split_k: int
-    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ the split-K fp32 workspace)
+    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ split-K fp32 sums and piece counters)
     units: int  # expected units of work
     mma: str = "e4m3"  # int4 weights: "e4m3" or "f16" tensor-core operands
 
@@ -108,8 +109,9 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
         split = max(2, min(math.ceil(slots / max(work, 1)), groups))
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
-    if split > 1:
-        scratch += workspace
+    if split > 1:  # float32 sums, then int32 piece counters (12 per unit bound; hopper_gemm.cu UnitsBound)
+        bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
+        scratch += workspace + bound * _COUNTER_SLOTS * 4
     return GemmPlan(tile_tokens, split, scratch, units)
 
 

@@ -28,8 +28,9 @@ def _library():
 
 
 LIB = _library()
-# HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows>, mangled: ...HopperGemmKernelILi16ELb1ELi1ELb1ELb0EE...
-KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])ELb([01])EE")
+# HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK>, mangled:
+# ...HopperGemmKernelILi16ELb1ELi1ELb1ELb0ELb0EE...
+KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])ELb([01])ELb([01])EE")
 
 
 def _tool(name):
@@ -60,13 +61,15 @@ def kernels():
         m = KERNEL.search(name)
         if m:
             tok, int4, parts, f16, token_rows = int(m[1]), m[2] == "1", int(m[3]), m[4] == "1", m[5] == "1"
-            found[(tok, int4, parts, f16) + (("token rows",) if token_rows else ())] = body
+            rows = ("token rows, stream-K" if m[6] == "1" else "token rows",) if token_rows else ()
+            found[(tok, int4, parts, f16) + rows] = body
     return found
 
 
 def test_every_tile_configuration_is_built(kernels):
     expected = ({(t, False, 1, False) for t in (16, 32, 64, 128)}  # fp8 einsum
-                | {(t, False, 1, False, "token rows") for t in (128, 192)}  # block-scaled fp8 einsum, tokens on A
+                | {(t, False, 1, False, rows) for t in (128, 192)  # block-scaled fp8 einsum, tokens on A
+                   for rows in ("token rows", "token rows, stream-K")}
                 | {(t, True, 1, False) for t in (16, 32, 64, 128)}  # int4 grouped GEMM, e4m3 MMA
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
                 | {(t, True, 1, True) for t in (16, 32)})  # int4 grouped GEMM, f16 MMA
@@ -95,6 +98,7 @@ HOT_LOOP_SPILL_BUDGET = {
     (32, True, 1, True): 6,  # f16 MMA path, 32-token tile (the plan uses e4m3 there)
     (32, True, 2, False): 1,  # fused up-projection, 32-token tile
     (192, False, 1, False, "token rows"): 1,  # three consumer warpgroups at 160 registers
+    (192, False, 1, False, "token rows, stream-K"): 3,  # the same with the stream-K fix-up
 }
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 

@@ -121,7 +121,7 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   p.tile_tokens = tile_tokens;
   const char* why = nullptr;
   if (!HopperGemmSupported(p, &why)) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
-  const size_t need = HopperGemmScratchBytes(d.m, d.h, d.n, d.k, split_k);
+  const size_t need = HopperGemmScratchBytes(d.m, d.h, d.n, d.k, split_k, tile_tokens);
   if (scratch->size_bytes() < need)
     return Invalid("fp8_einsum", "scratch output too small for the tile plan (" +
                                      std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");

@@ -23,7 +23,7 @@
 // split_k > 1 the kernel runs stream-K: the (unit, K group) iterations are dealt out in equal
 // contiguous ranges, one per block (so no wave is left part-empty), a block's range is cut into
 // pieces at unit edges, and each piece adds its partial sums to a zeroed fp32 workspace with
-// atomics; a second pass rounds them.
+// atomics; the piece whose K groups complete a unit (a counter per consumer warp) rounds and stores it.
 #include <cuda.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -269,6 +269,9 @@ struct WorkCursor {
     }
   }
 
+  // Stream-K: the unit of the piece Next returned last (its last iteration is cursor - 1).
+  __device__ __forceinline__ int64_t PieceUnit(int64_t groups) const { return (cursor - 1) / groups; }
+
   template <int kTok, bool kPanels>
   __device__ __forceinline__ bool Next(const HopperGemmParams& p, const UnitTable& table, int64_t feat_tiles,
                                        int64_t groups, Unit& t) {
@@ -395,6 +398,33 @@ __device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64
   }
 }
 
+// Stream-K fix-up (split_k > 1), called by a whole warp after each lane added its partial sums for
+// this piece: the warp adds the piece's K groups to its counter for the unit (one per consumer warp:
+// the same warp of every piece adds the same elements); true in the warp whose count completes the
+// unit's K groups, which then reads the sums back (__ldcg) and stores them rounded.
+constexpr int kCounterSlots = 12;  // counters per unit: up to 3 consumer warpgroups x 4 warps
+
+__device__ __forceinline__ bool PieceCompletesUnit(const HopperGemmParams& p, const Unit& t, int64_t unit,
+                                                   int64_t groups, int warp_slot, int lane) {
+  __threadfence();  // this lane's sums are visible device-wide before the count says so
+  __syncwarp();
+  const int mine = static_cast<int>(t.g1 - t.g0);
+  int done = 0;
+  int* counters = reinterpret_cast<int*>(p.split_ws + p.m * p.h * p.f);  // after the sums (see UnitsBound)
+  if (lane == 0) done = atomicAdd(counters + unit * kCounterSlots + warp_slot, mine) + mine;
+  done = __shfl_sync(0xffffffffu, done, 0);
+  if (done != groups) return false;
+  __threadfence();  // the other pieces' sums, fenced before their counts, are visible from here
+  return true;
+}
+
+// The rounded value of element idx once every piece has added to it.
+__device__ __forceinline__ void StoreFinished(const HopperGemmParams& p, int64_t idx) {
+  const float v = __ldcg(p.split_ws + idx);
+  if (p.out_bf16) static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(v);
+  else static_cast<float*>(p.out)[idx] = v;
+}
+
 // The consumers of the block-scaled einsum's 128- and 192-token tiles (e4m3 weights, one weight scale
 // per 128 rows and K group): tokens on wgmma's A side (64 per warpgroup, kTok / 64 warpgroups), the 128
 // weight rows on its N side. Every accumulator of a thread then shares one weight scale and one of two token scales, so
@@ -402,7 +432,7 @@ __device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64
 // (row, token) pair: 32 loads and 32 products more per group), and the epilogue writes pairs of
 // adjacent features. The warpgroups take turns issuing MMAs in a ring (warpgroup cw waits on named
 // barrier 1 + cw and passes to the next one's).
-template <int kTok>
+template <int kTok, bool kStreamK>
 __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, const UnitTable& table,
                                                  int64_t total_units, int64_t feat_tiles, int64_t groups,
                                                  int stages, uint8_t* smem, uint64_t* full, uint64_t* empty,
@@ -415,6 +445,10 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
   int stage = 0;
   uint32_t phase = 0;
   bool issued_any = false;
+  // Stage 0's descriptors: tokens (A: this warpgroup's 64 rows of the activation tile) and weights (B).
+  // The warpgroup index through a shuffle: warp-uniform, so the descriptors live in uniform registers.
+  const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
+  const uint64_t desc_w0 = sm90::DescSw128(smem, 0);
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, true>(p, table, feat_tiles, groups, t);) {
     float total[kFeatTile / 2];
@@ -437,18 +471,23 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
       sm90::MbarWait(&full[stage], phase);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       const int my_stage = stage;
+      // Descriptors of this stage's tiles, advanced from stage 0's: the address field is bits 0..13 of
+      // the descriptor (bytes / 16; shared memory < 256 KB, so no carry), 32 K bytes = 2.
+      const uint64_t stage_desc = static_cast<uint64_t>(__shfl_sync(0xffffffffu, my_stage, 0)) * (L::kStageBytes >> 4);
       if (++stage == stages) { stage = 0; phase ^= 1; }
       float acc[kFeatTile / 2];
       if (issued_any || cw > 0) sm90::NamedBarrierSync(1 + cw, 256);
       sm90::WgmmaFence();
 #pragma unroll
       for (int kc = 0; kc < 4; ++kc)
-        Wgmma<kFeatTile>(acc, sm90::DescSw128(st + L::kWBytes + cw * 64 * kKGroup, kc * 32), sm90::DescSw128(st, kc * 32),
-                    kc > 0);
+        Wgmma<kFeatTile>(acc, desc_x0 + stage_desc + 2 * kc, desc_w0 + stage_desc + 2 * kc, kc > 0);
       sm90::WgmmaCommit();
       sm90::NamedBarrierArrive(1 + (cw + 1) % kCw, 256);
       issued_any = true;
       pre[J] = load_scale(g + 2);
+      // The token scales are read while this group's MMAs (just issued, hundreds of cycles) run, so
+      // they have landed long before the stage is freed below (the swapped consumers, which read theirs
+      // after the wait, need a cross-proxy fence there; see retire).
       const uint32_t sx = sm90::SmemAddr(st) + sx_off;
       const float s0 = sw * sm90::LdSharedF32(sx), s1 = sw * sm90::LdSharedF32(sx + 32);
       sm90::WgmmaWait<0>();
@@ -484,6 +523,19 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
         if (second) StoreOutput(p, idx + 1, total[i + 1]);
       }
     }
+    if constexpr (kStreamK) {  // a kernel of its own: this code costs the 192-token MMA loop two spills
+      if (PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane)) {
+#pragma unroll
+        for (int i = 0; i < kFeatTile / 2; i += 2) {
+          const int64_t m = t.m0 + tok_row + 8 * ((i / 2) % 2);
+          const int64_t f = t.f0 + 8 * (i / 4) + 2 * (lane % 4);
+          if (m >= t.m_end || f >= p.f) continue;
+          const int64_t idx = (m * p.h + t.head) * p.f + f;
+          StoreFinished(p, idx);
+          if (f + 1 < p.f) StoreFinished(p, idx + 1);
+        }
+      }
+    }
   }
   // The last warpgroup's last pass (to warpgroup 0) has no matching wait: take it, so no barrier is
   // left half-arrived.
@@ -508,7 +560,8 @@ struct Pipeline {
   static constexpr int kDepth = kRegs <= (Occupancy<kTok, kParts>::kBlocksPerSm == 2 ? 56 : 160) ? 2 : 1;
 };
 
-template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false>
+// kStreamK (token rows only): the split_k > 1 form, with the fix-up that rounds completed units.
+template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false, bool kStreamK = false>
 __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
@@ -527,7 +580,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   uint64_t* empty = full + stages;
   uint64_t* xready = empty + stages;  // f16 path: the stage's activations are converted
   UnitTable table;
-  table.nb = static_cast<int>(p.b) + ((p.group_sizes != nullptr && p.split_k == 1) ? 1 : 0);
+  // The grouped GEMM's rows past the last expert are zero-filled by units of their own, split-K or not
+  // (with split-K the fix-up of those units writes the zeros: nothing else touches those rows).
+  table.nb = static_cast<int>(p.b) + (p.group_sizes != nullptr ? 1 : 0);
   table.prefix = reinterpret_cast<int64_t*>(xready + stages);
   table.start = reinterpret_cast<int32_t*>(table.prefix + table.nb + 1);
   table.end = table.start + table.nb;
@@ -593,7 +648,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   if constexpr (kTokenRows) {
     static_assert((kTok == 128 || kTok == 192) && !kInt4 && kParts == 1 && !kF16,
                   "token rows: the einsum's 128- or 192-token tiles");
-    ConsumeTokenRows<kTok>(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
+    ConsumeTokenRows<kTok, kStreamK>(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
     return;
   } else {
   constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16>::kDepth;
@@ -624,6 +679,14 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       issued_any = true;
     }
   };
+  // Stage 0's descriptors (activation tile; e4m3 weight rows of this warpgroup), on the uniform datapath
+  // (the warp-uniform warpgroup index through a shuffle); a stage adds its offset / 16, 32 K bytes add 2.
+  const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes, 0);
+  const uint64_t desc_xh0 = sm90::DescNoSwizzle(sm90::SmemAddr(smem + L::kXhOffset), 128, 256);  // f16 path
+  uint64_t desc_w0[kParts];
+#pragma unroll
+  for (int part = 0; part < kParts; ++part)
+    desc_w0[part] = sm90::DescSw128(smem + part * L::kWPartBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, kPanels>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
@@ -696,11 +759,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         }
         turn_wait();
         sm90::WgmmaFence();
-        const uint32_t xh = sm90::SmemAddr(st + L::kXhOffset);
+        const uint64_t stage_desc =
+            static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
 #pragma unroll
         for (int step = 0; step < 8; ++step)
-          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], sm90::DescNoSwizzle(xh + step * (kTok * 32), 128, 256),
-                           step > 0);
+          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], desc_xh0 + stage_desc + step * (kTok * 32 / 16), step > 0);
         sm90::WgmmaCommit();
         turn_pass();
       } else {
@@ -725,16 +788,20 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         }
         turn_wait();
         sm90::WgmmaFence();
+        // Uniform-datapath descriptors pay everywhere except in the fused kernels (their registers are
+        // tight: they would spill in the loop).
+        const uint64_t stage_desc =
+            static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
-            const uint64_t desc_x = sm90::DescSw128(x_tile, kc * 32);
+            const uint64_t desc_x =
+                kParts == 1 ? desc_x0 + stage_desc + 2 * kc : sm90::DescSw128(x_tile, kc * 32);
             if constexpr (kInt4) {
               WgmmaRs<kTok>(acc[S][part], afrag[S][part][kc], desc_x, kc > 0);
             } else {
-              Wgmma<kTok>(acc[S][part], sm90::DescSw128(st + part * L::kWPartBytes + cw * 64 * kKGroup, kc * 32),
-                          desc_x, kc > 0);
+              Wgmma<kTok>(acc[S][part], desc_w0[part] + stage_desc + 2 * kc, desc_x, kc > 0);
             }
           }
         sm90::WgmmaCommit();
@@ -766,6 +833,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       };
       if (!kInt4 && p.sw_row_shift == 7) promote(std::true_type{});
       else promote(std::false_type{});
+      // The scale loads above read the stage through the generic proxy; the producer's next TMA writes
+      // it through the async proxy once the stage is free: a cross-proxy fence orders the two (without
+      // it the H200 now and then freed the stage before those loads had read it: one token's scale of
+      // one group was taken from the group `stages` later).
+      sm90::FenceProxyAsyncShared();
       __syncwarp();
       sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
     };
@@ -823,6 +895,15 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         if (m >= t.m_end || f >= p.f) continue;
         StoreOutput(p, (m * p.h + t.head) * p.f + f, total[0][i]);
       }
+      if (p.split_k > 1 && PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane)) {
+#pragma unroll
+        for (int i = 0; i < kTok / 2; ++i) {
+          const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
+          const int64_t f = row0 + 8 * ((i / 2) % 2);
+          if (m >= t.m_end || f >= p.f) continue;
+          StoreFinished(p, (m * p.h + t.head) * p.f + f);
+        }
+      }
     }
   }
   // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
@@ -852,14 +933,6 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       }
     }
     dst[i] = v;
-  }
-}
-
-__global__ void FinishSplitK(const float* ws, void* out, bool out_bf16, int64_t n) {
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
-       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    if (out_bf16) static_cast<uint16_t*>(out)[i] = FloatToBf16Bits(ws[i]);
-    else static_cast<float*>(out)[i] = ws[i];
   }
 }
 
@@ -915,7 +988,7 @@ DeviceInfo CurrentDevice() {
 
 size_t TableBytes(int64_t nb) { return static_cast<size_t>(nb + 1) * 8 + static_cast<size_t>(nb) * 8; }
 
-template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows = false>
+template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows = false, bool kStreamK = false>
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   using L = Layout<kTok, kInt4, kParts, kF16>;
   const int64_t nb = p.b + 1;
@@ -938,7 +1011,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
                       CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
 
-  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows>;
+  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK>;
   // The shared-memory opt-in once per device (to the device's limit): a host call saved on every launch.
   static std::mutex mu;
   static bool opted_in[64] = {};
@@ -953,16 +1026,9 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
       if (dev_id < 64) opted_in[dev_id] = true;
     }
   }
-  const int64_t out_elems = p.m * p.h * p.f;
   KernelArgs args{p, stages, p.k / kKGroup};
   kernel<<<dev.sms * kBlocks, ThreadsOf<kTok, kTokenRows>(), smem, stream>>>(args, map_w, map_x, map_sx);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  if (p.split_k > 1) {
-    const int blocks = static_cast<int>(std::min<int64_t>((out_elems + 255) / 256, dev.sms * 8));
-    FinishSplitK<<<blocks, 256, 0, stream>>>(p.split_ws, p.out, p.out_bf16, out_elems);
-    return cudaGetLastError();
-  }
-  return cudaSuccess;
+  return cudaGetLastError();
 }
 
 template <bool kInt4>
@@ -982,10 +1048,16 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
     case 64: return Launch<64, kInt4, 1>(p, stream, dev);
     case 128:
       // The block-scaled einsum (one weight scale per 128 rows) runs with tokens on the A side.
-      if (!kInt4 && p.sw_row_shift == 7) return Launch<128, false, 1, false, true>(p, stream, dev);
+      if (!kInt4 && p.sw_row_shift == 7) {
+        return p.split_k > 1 ? Launch<128, false, 1, false, true, true>(p, stream, dev)
+                             : Launch<128, false, 1, false, true>(p, stream, dev);
+      }
       return Launch<128, kInt4, 1>(p, stream, dev);
     case 192:  // block-scaled einsum only (HopperGemmSupported): three consumer warpgroups of 64 tokens
-      if constexpr (!kInt4) return Launch<192, false, 1, false, true>(p, stream, dev);
+      if constexpr (!kInt4) {
+        return p.split_k > 1 ? Launch<192, false, 1, false, true, true>(p, stream, dev)
+                             : Launch<192, false, 1, false, true>(p, stream, dev);
+      }
       return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
@@ -1027,18 +1099,33 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   return true;
 }
 
-size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k) {
+// Units of work at most (the einsum's exactly): a batch's rows in token tiles, each expert of the grouped
+// GEMM adding at most one partial tile, times the feature tiles.
+static int64_t UnitsBound(int64_t m, int64_t h, int64_t f, int tile_tokens, int64_t grouped_batches) {
+  const int64_t tile = tile_tokens > 0 ? tile_tokens : 1;
+  return (h * ((m + tile - 1) / tile) + grouped_batches) * ((f + kFeatTile - 1) / kFeatTile);
+}
+
+size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,
+                              int64_t grouped_batches) {
   const int64_t mp = (m + 3) / 4 * 4;
   size_t bytes = static_cast<size_t>(k / kKGroup) * h * mp * sizeof(float);
   bytes = (bytes + 255) / 256 * 256;
-  if (split_k > 1) bytes += static_cast<size_t>(m) * h * f * sizeof(float);
+  if (split_k > 1) {
+    bytes += static_cast<size_t>(m) * h * f * sizeof(float);
+    bytes += static_cast<size_t>(UnitsBound(m, h, f, tile_tokens, grouped_batches)) * kCounterSlots * sizeof(int32_t);
+  }
   return bytes;
 }
 
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const DeviceInfo dev = CurrentDevice();
   const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
-  const int64_t n_zero = p.split_k > 1 ? p.m * p.h * p.f : 0;
+  // split_k > 1: the sums [M, H, F] and after them the piece counters, cleared together.
+  const int64_t n_zero = p.split_k > 1 ? p.m * p.h * p.f + UnitsBound(p.m, p.h, p.f, p.tile_tokens,
+                                                                       p.group_sizes != nullptr ? p.b : 0) *
+                                                             kCounterSlots
+                                       : 0;
   if (n > 0 || n_zero > 0) {
     const int blocks = static_cast<int>(std::min<int64_t>((std::max(n, n_zero) + 255) / 256, int64_t{dev.sms} * 8));
     PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,

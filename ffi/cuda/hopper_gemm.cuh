@@ -38,9 +38,9 @@ struct HopperGemmParams {
   const int32_t* group_sizes;  // [B] for the grouped GEMM (H == 1); nullptr for the einsum
   void* out;                   // [M, H, F] bfloat16 or float32
   bool out_bf16;
-  float* split_ws;             // float32 [M, H, F] scratch, needed when split_k > 1 (cleared here)
+  float* split_ws;             // split_k > 1: float32 [M, H, F] sums, then int32 piece counters (cleared here)
   int64_t m, h, f, k, b, mp;
-  int split_k;                 // K groups split across this many units (fp32 atomics + a finish pass)
+  int split_k;                 // > 1: stream-K (fp32 atomics; the piece that completes a tile rounds it)
   int tile_tokens;             // 16, 32, 64 or 128; 192 for the block-scaled fp8 einsum
   // int4 weights: MMA in f16 (int4 -> f16 costs half the integer instructions of int4 -> e4m3; the
   // activations go to f16 once per stage) instead of e4m3; tile_tokens 16 or 32, not fused.
@@ -58,8 +58,11 @@ struct HopperGemmParams {
 // Whether the current device and these shapes can take the tensor-core kernel (else use the simple one).
 bool HopperGemmSupported(const HopperGemmParams& p, const char** why);
 
-// Bytes of scratch LaunchHopperGemm needs: the prepared activation scales and the split-K workspace.
-size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k);
+// Bytes of scratch LaunchHopperGemm needs: the prepared activation scales and, with split_k > 1, the
+// split-K sums and piece counters (tile_tokens, and for the grouped GEMM its batch count, bound the
+// number of units; jax_w4a8.tiling mirrors this).
+size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens = 0,
+                              int64_t grouped_batches = 0);
 
 // Prepares the activation scales (and clears the split-K workspace), then runs the GEMM.
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream);

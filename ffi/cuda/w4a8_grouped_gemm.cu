@@ -161,7 +161,7 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (!HopperGemmSupported(p, &why)) {  // e.g. not a Hopper GPU: the simple kernel is always correct
     return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
   }
-  const size_t need = HopperGemmScratchBytes(d.m, 1, d.n, d.k, split_k);
+  const size_t need = HopperGemmScratchBytes(d.m, 1, d.n, d.k, split_k, tile_tokens, d.e);
   if (scratch->size_bytes() < need)
     return Invalid("w4a8_grouped_gemm", "scratch output too small for the tile plan (" +
                                             std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");
