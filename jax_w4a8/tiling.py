@@ -26,10 +26,11 @@ products and one FMA per accumulator. The heuristic:
   kernel runs stream-K: the (unit, K group) iterations are dealt out in equal contiguous ranges, one
   per resident block, so every block streams the same number of K groups whatever the tile count.
   ``split_k`` is then the number of pieces an average tile is cut into (any value above 1 selects
-  stream-K in the kernel). Partial sums are added in float32 (atomics into a workspace); the piece
-  whose K groups complete a tile reads its sums back and rounds them once, so the order of those additions varies between runs and outputs can differ in
-  the last bits from run to run; plans with ``split_k == 1`` are bitwise deterministic. A
-  fixed-order reduction is future work.
+  stream-K in the kernel). Partial sums are added in float32 (atomics into a workspace, with a
+  counter per tile and consumer warp after it); the piece whose K groups complete a tile reads its
+  sums back and rounds them once. The order of those additions varies between runs, so outputs can
+  differ in the last bits from run to run; plans with ``split_k == 1`` are bitwise deterministic.
+  A fixed-order reduction is future work.
 * ``mma`` (int4 weights, grouped GEMM): the tensor-core operand format. ``"e4m3"``: the int4 codes
   become e4m3 in registers and meet the fp8 activations in an fp8 MMA. ``"f16"`` (token tiles 16
   and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
