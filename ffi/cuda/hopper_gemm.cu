@@ -836,7 +836,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       // The scale loads above read the stage through the generic proxy; the producer's next TMA writes
       // it through the async proxy once the stage is free: a cross-proxy fence orders the two (without
       // it the H200 now and then freed the stage before those loads had read it: one token's scale of
-      // one group was taken from the group `stages` later).
+      // one group was taken from the group `stages` later). DeepEP met the same LDS-then-TMA race
+      // (deepseek-ai/DeepEP#642) and fixed it with this CTA-scope fence at no measured cost.
       sm90::FenceProxyAsyncShared();
       __syncwarp();
       sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
