@@ -24,6 +24,8 @@
 // contiguous ranges, one per block (so no wave is left part-empty), a block's range is cut into
 // pieces at unit edges, and each piece adds its partial sums to a zeroed fp32 workspace with
 // atomics; the piece whose K groups complete a unit (a counter per consumer warp) rounds and stores it.
+// Under split-K the grouped GEMM's padding rows are zeroed by the scale preparation instead, so that
+// they take no share of the iterations.
 #include <cuda.h>
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
@@ -580,9 +582,10 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   uint64_t* empty = full + stages;
   uint64_t* xready = empty + stages;  // f16 path: the stage's activations are converted
   UnitTable table;
-  // The grouped GEMM's rows past the last expert are zero-filled by units of their own, split-K or not
-  // (with split-K the fix-up of those units writes the zeros: nothing else touches those rows).
-  table.nb = static_cast<int>(p.b) + (p.group_sizes != nullptr ? 1 : 0);
+  // The grouped GEMM's rows past the last expert: zero-filled by units of their own without split-K; with
+  // split-K by the scale preparation before this kernel (zero units would take a share of the stream-K
+  // iterations, most of them under expert parallelism, where most rows are padding).
+  table.nb = static_cast<int>(p.b) + ((p.group_sizes != nullptr && p.split_k == 1) ? 1 : 0);
   table.prefix = reinterpret_cast<int64_t*>(xready + stages);
   table.start = reinterpret_cast<int32_t*>(table.prefix + table.nb + 1);
   table.end = table.start + table.nb;
@@ -917,10 +920,30 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 // Activation scales into the kernel's layout, and the split-K workspace cleared (n_zero floats): one
 // launch for both.
 __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
-                                       int64_t groups, int64_t mp, float* zero, int64_t n_zero) {
+                                       int64_t groups, int64_t mp, float* zero, int64_t n_zero,
+                                       const int32_t* group_sizes, int64_t b, void* out, bool out_bf16, int64_t f) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_zero; i += stride)
     zero[i] = 0.0f;
+  if (group_sizes != nullptr) {
+    // Grouped GEMM under split-K: the output rows past the last expert are zeroed here (the GEMM's
+    // units cover the experts' rows only, so that padding takes no share of the stream-K iterations:
+    // under expert parallelism most rows are padding).
+    __shared__ int64_t pad_start;
+    if (threadIdx.x < 32) {
+      int64_t rows = 0;  // each size clamped to [0, m], as the unit table does
+      for (int64_t i = threadIdx.x; i < b; i += 32) rows += NextGroupEnd(0, group_sizes[i], m);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) rows += __shfl_xor_sync(0xffffffffu, rows, off);
+      if (threadIdx.x == 0) pad_start = rows < m ? rows : m;
+    }
+    __syncthreads();
+    for (int64_t i = pad_start * f + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * f;
+         i += stride) {
+      if (out_bf16) static_cast<uint16_t*>(out)[i] = 0;
+      else static_cast<float*>(out)[i] = 0.0f;
+    }
+  }
   const int64_t n = groups * h * mp;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
     const int64_t row = i % mp, head = (i / mp) % h, g = i / (mp * h);
@@ -1127,10 +1150,13 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
                                                                        p.group_sizes != nullptr ? p.b : 0) *
                                                              kCounterSlots
                                        : 0;
+  // Grouped GEMM under split-K: the padding rows are zeroed here, not by units of the GEMM (see the kernel).
+  const bool zero_padding = p.split_k > 1 && p.group_sizes != nullptr;
   if (n > 0 || n_zero > 0) {
     const int blocks = static_cast<int>(std::min<int64_t>((std::max(n, n_zero) + 255) / 256, int64_t{dev.sms} * 8));
     PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
-                                                       p.split_ws, n_zero);
+                                                       p.split_ws, n_zero, zero_padding ? p.group_sizes : nullptr,
+                                                       p.b, p.out, p.out_bf16, p.f);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (p.fused_up) return LaunchFusedUp(p, stream, dev);
