@@ -383,11 +383,16 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
   }
 }
 
+// One output element rounded to the output type and stored.
+__device__ __forceinline__ void StoreRounded(const HopperGemmParams& p, int64_t idx, float v) {
+  if (p.out_bf16) static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(v);
+  else static_cast<float*>(p.out)[idx] = v;
+}
+
 // One output element: added to the split-K workspace (split_k > 1), or rounded and stored.
 __device__ __forceinline__ void StoreOutput(const HopperGemmParams& p, int64_t idx, float v) {
   if (p.split_k > 1) atomicAdd(p.split_ws + idx, v);
-  else if (p.out_bf16) static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(v);
-  else static_cast<float*>(p.out)[idx] = v;
+  else StoreRounded(p, idx, v);
 }
 
 // Elements idx and idx + 1 in one store (split_k 1; idx even, so the pair is 4- / 8-byte aligned).
@@ -422,9 +427,7 @@ __device__ __forceinline__ bool PieceCompletesUnit(const HopperGemmParams& p, co
 
 // The rounded value of element idx once every piece has added to it.
 __device__ __forceinline__ void StoreFinished(const HopperGemmParams& p, int64_t idx) {
-  const float v = __ldcg(p.split_ws + idx);
-  if (p.out_bf16) static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(v);
-  else static_cast<float*>(p.out)[idx] = v;
+  StoreRounded(p, idx, __ldcg(p.split_ws + idx));
 }
 
 // The consumers of the block-scaled einsum's 128- and 192-token tiles (e4m3 weights, one weight scale
@@ -508,34 +511,33 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
     }
     if (g < g1) step(Pre0{}, g);
 
-    // Epilogue: pairs of adjacent features of one token (one store where F is even, so the pair is
-    // aligned); tokens of this batch only, features < F.
-    const bool paired = p.f % 2 == 0 && p.split_k == 1;
+    // This thread's output pairs: accumulators i, i + 1 are features f, f + 1 of one token; fn(i, idx of
+    // feature f, whether f + 1 < F) for tokens of this batch and features f < F.
+    auto for_each_pair = [&](auto&& fn) {
 #pragma unroll
-    for (int i = 0; i < kFeatTile / 2; i += 2) {
-      const int64_t m = t.m0 + tok_row + 8 * ((i / 2) % 2);
-      const int64_t f = t.f0 + 8 * (i / 4) + 2 * (lane % 4);
-      if (m >= t.m_end || f >= p.f) continue;
-      const int64_t idx = (m * p.h + t.head) * p.f + f;
-      const bool second = f + 1 < p.f;
+      for (int i = 0; i < kFeatTile / 2; i += 2) {
+        const int64_t m = t.m0 + tok_row + 8 * ((i / 2) % 2);
+        const int64_t f = t.f0 + 8 * (i / 4) + 2 * (lane % 4);
+        if (m >= t.m_end || f >= p.f) continue;
+        fn(i, (m * p.h + t.head) * p.f + f, f + 1 < p.f);
+      }
+    };
+    // Epilogue: one store per pair where F is even (the pair is aligned).
+    const bool paired = p.f % 2 == 0 && p.split_k == 1;
+    for_each_pair([&](int i, int64_t idx, bool second) {
       if (paired && second) {
         StoreOutputPair(p, idx, total[i], total[i + 1]);
       } else {
         StoreOutput(p, idx, total[i]);
         if (second) StoreOutput(p, idx + 1, total[i + 1]);
       }
-    }
+    });
     if constexpr (kStreamK) {  // a kernel of its own: this code costs the 192-token MMA loop two spills
       if (PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane)) {
-#pragma unroll
-        for (int i = 0; i < kFeatTile / 2; i += 2) {
-          const int64_t m = t.m0 + tok_row + 8 * ((i / 2) % 2);
-          const int64_t f = t.f0 + 8 * (i / 4) + 2 * (lane % 4);
-          if (m >= t.m_end || f >= p.f) continue;
-          const int64_t idx = (m * p.h + t.head) * p.f + f;
+        for_each_pair([&](int, int64_t idx, bool second) {
           StoreFinished(p, idx);
-          if (f + 1 < p.f) StoreFinished(p, idx + 1);
-        }
+          if (second) StoreFinished(p, idx + 1);
+        });
       }
     }
   }
@@ -891,23 +893,19 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     if constexpr (kParts == 2) {
       FusedUpEpilogue<kTok>(p, t, total[0], total[1], red, cw, warp, lane, row0);
     } else {
-      // Epilogue: rows of this batch only; features < F.
-#pragma unroll
-      for (int i = 0; i < kTok / 2; ++i) {
-        const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
-        const int64_t f = row0 + 8 * ((i / 2) % 2);
-        if (m >= t.m_end || f >= p.f) continue;
-        StoreOutput(p, (m * p.h + t.head) * p.f + f, total[0][i]);
-      }
-      if (p.split_k > 1 && PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane)) {
+      // Epilogue: fn(i, idx) for this thread's accumulators i of rows of this batch and features < F.
+      auto for_each_element = [&](auto&& fn) {
 #pragma unroll
         for (int i = 0; i < kTok / 2; ++i) {
           const int64_t m = t.m0 + 8 * (i / 4) + 2 * (lane % 4) + (i % 2);
           const int64_t f = row0 + 8 * ((i / 2) % 2);
           if (m >= t.m_end || f >= p.f) continue;
-          StoreFinished(p, (m * p.h + t.head) * p.f + f);
+          fn(i, (m * p.h + t.head) * p.f + f);
         }
-      }
+      };
+      for_each_element([&](int i, int64_t idx) { StoreOutput(p, idx, total[0][i]); });
+      if (p.split_k > 1 && PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane))
+        for_each_element([&](int, int64_t idx) { StoreFinished(p, idx); });
     }
   }
   // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
