@@ -40,12 +40,26 @@ def test_batch_one_decode_splits_k():
 
 
 def test_no_split_once_the_gpu_is_full():
-    # 64 rows over 32 experts: ~28 busy experts x 32 feature tiles = ~890 units: no split.
-    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).split_k == 1
+    # 256 rows over 32 experts: all 32 busy x 32 feature tiles = 1024 units, ~3.9 waves: no split.
+    assert tiling.plan_grouped_gemm(256, 32, 4096, 7168, num_sms=SMS).split_k == 1
+    assert tiling.plan_grouped_gemm(256, 32, 7168, 2048, num_sms=SMS).split_k == 1
     assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS).split_k == 1
     # Too few units for the SMs: split, at most the number of K groups.
     plan = tiling.plan_grouped_gemm(2, 32, 512, 1024, num_sms=SMS)
     assert 1 < plan.split_k <= 1024 // 128
+
+
+@pytest.mark.parametrize("m, split", [(64, True), (72, True), (80, False), (256, False)])
+def test_stream_k_when_experts_are_expected_empty(m, split):
+    # 64 rows over 32 experts: ~27 busy, which ones only the device knows: stream-K (H200: ~10%
+    # faster for gate+up and down). From ~2.3 rows per expert nearly all are busy: whole units.
+    for n, k in ((4096, 7168), (7168, 2048)):
+        plan = tiling.plan_grouped_gemm(m, 32, n, k, num_sms=SMS)
+        assert (plan.split_k > 1) == split, (m, n, k, plan)
+        if split:  # the fp32 workspace and the piece counters are in the scratch
+            assert plan.scratch_bytes >= m * n * 4 + (k // 128) * m * 4
+    # A hint of rows per expert means every expert is busy: no stream-K.
+    assert tiling.plan_grouped_gemm(m, 32, 4096, 7168, rows_per_expert=m / 32, num_sms=SMS).split_k == 1
 
 
 def test_split_never_exceeds_groups():
