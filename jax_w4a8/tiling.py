@@ -26,11 +26,11 @@ products and one FMA per accumulator. The heuristic:
   kernel runs stream-K: the (unit, K group) iterations are dealt out in equal contiguous ranges, one
   per resident block, so every block streams the same number of K groups whatever the tile count.
   ``split_k`` is then the number of pieces an average tile is cut into (any value above 1 selects
-  stream-K in the kernel). Partial sums are added in float32 (atomics into a workspace, with a
-  counter per tile and consumer warp after it); the piece whose K groups complete a tile reads its
-  sums back and rounds them once. The order of those additions varies between runs, so outputs can
-  differ in the last bits from run to run; plans with ``split_k == 1`` are bitwise deterministic.
-  A fixed-order reduction is future work. The grouped GEMM also runs stream-K when under 90% of the
+  stream-K in the kernel). A piece that is not a whole tile stores its float32 partial sums in a
+  slot of its block (two per block) and counts its K groups on the tile's counter (one per consumer
+  warp); the warp whose count completes the tile adds the tile's slots in block order and rounds
+  once. That order is fixed, so split-K outputs are bitwise the same from run to run (they differ
+  from the ``split_k == 1`` plan's in float32 summation order only). The grouped GEMM also runs stream-K when under 90% of the
   experts are expected to have rows (rows per expert about 2 or fewer): which units exist is only
   known on the device, and dealing whole units left the last of about 3.3 waves of units 30% full. H200, same
   run, 32 experts, 64 rows: gate+up 234 -> 211 us, down 141 -> 129 us; at 256 rows (every expert
@@ -72,7 +72,7 @@ class GemmPlan:
 
     tile_tokens: int  # 0 (simple kernel), 16, 32, 64, 128 or (block-scaled einsum) 192
     split_k: int
-    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ split-K fp32 sums and piece counters)
+    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ split-K piece counters and partial tiles)
     units: int  # expected units of work
     mma: str = "e4m3"  # int4 weights: "e4m3" or "f16" tensor-core operands
 
@@ -109,7 +109,7 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     busy = batches if busy is None else busy  # batches with rows (expected)
     units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
     work = busy * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
-    workspace = m * h * f * 4
+    workspace = m * h * f * 4  # float32 output size: stream-K is left to outputs of at most 64 MB (as measured)
     ragged_wave = exact and work / (math.ceil(work / slots) * slots) < 0.75 and workspace <= 64 << 20
     # Grouped GEMM with some experts expected empty (rows per expert about 2 or fewer): which experts
     # have rows, hence the unit count, is only known on the device; stream-K deals the K groups of
@@ -120,9 +120,10 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
         split = max(2, min(math.ceil(slots / max(work, 1)), groups))
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
-    if split > 1:  # float32 sums, then int32 piece counters (12 per unit bound; hopper_gemm.cu UnitsBound)
+    if split > 1:  # int32 piece counters (12 per unit bound; hopper_gemm.cu CounterBytes), then two float32
+        # partial tiles per resident block (PartialBlockBytes; fewer would shrink the kernel's grid)
         bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
-        scratch += workspace + bound * _COUNTER_SLOTS * 4
+        scratch += -(-(bound * _COUNTER_SLOTS * 4) // 256) * 256 + slots * 2 * tile_tokens * _FEAT_TILE * 4
     return GemmPlan(tile_tokens, split, scratch, units)
 
 

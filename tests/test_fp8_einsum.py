@@ -222,7 +222,8 @@ def test_block_scaled_token_row_tiles_on_gpu(rng, device, tile_tokens, m, h, n, 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens", [16, 32, 64, 128, 192])
 def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens):
-    """Same inputs, 8 calls (stream-K: 24 tiles of 128 tokens): every element of every call near float64.
+    """Same inputs, 8 calls (stream-K: 24 tiles of 128 tokens): every element of every call near float64,
+    and every call bitwise equal to the first.
 
     Guards stage hand-back races (a stage freed while its scale loads are in flight shows up as a few
     elements of one row off in some calls, not in the norm); benchmarks/repeat_check.py explains them.
@@ -235,10 +236,15 @@ def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens):
     bound = 2e-3 * np.abs(ref).max(axis=-1, keepdims=True)  # float32 output: typical errors are 1e-5 of it
     fn = jax.jit(functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=tile_tokens,
                                    out_dtype=jnp.float32))
+    first = None
     for call in range(8):
         out = np.asarray(fn(*args), np.float64)
         bad = ~(np.abs(out - ref) <= bound)
         assert not bad.any(), f"call {call}: {bad.sum()} elements off, rows {sorted(set(np.nonzero(bad)[0].tolist()))[:8]}"
+        if first is None:
+            first = out
+        # Bitwise the same every call, stream-K too (partial tiles are summed in block order).
+        np.testing.assert_array_equal(out, first, err_msg=f"call {call} differs from call 0")
 
 
 def test_192_token_tiles_need_block_scaled_weights(rng):

@@ -130,6 +130,8 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   p.sx_kind = d.x_scale_ue8m0 ? ActScaleKind::kGroupUe8m0 : ActScaleKind::kGroupF32;
   p.sx = reinterpret_cast<float*>(base);
   p.split_ws = reinterpret_cast<float*>(base + HopperGemmScratchBytes(d.m, d.h, d.n, d.k, 1));
+  p.split_bytes =
+      static_cast<int64_t>(scratch->size_bytes()) - static_cast<int64_t>(HopperGemmScratchBytes(d.m, d.h, d.n, d.k, 1));
   const cudaError_t err = LaunchHopperGemm(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("fp8_einsum: tensor-core kernel failed: ") + cudaGetErrorString(err));

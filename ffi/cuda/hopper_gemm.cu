@@ -22,8 +22,11 @@
 // own tile, and padding rows of the grouped GEMM are zero-filled by units of their own. With
 // split_k > 1 the kernel runs stream-K: the (unit, K group) iterations are dealt out in equal
 // contiguous ranges, one per block (so no wave is left part-empty), a block's range is cut into
-// pieces at unit edges, and each piece adds its partial sums to a zeroed fp32 workspace with
-// atomics; the piece whose K groups complete a unit (a counter per consumer warp) rounds and stores it.
+// pieces at unit edges. A piece that is not a whole unit stores its fp32 partial sums in a slot of
+// its block (plain stores: a block's first and last pieces are the only ones that can be partial) and
+// adds its K groups to the unit's counter (one per consumer warp); the warp whose count completes the
+// unit sums the unit's slots in the order of the blocks that ran them, then rounds and stores. No
+// atomics on the sums and a fixed order: split-K results do not vary from run to run.
 // Under split-K the grouped GEMM's padding rows are zeroed by the scale preparation instead, so that
 // they take no share of the iterations.
 #include <cuda.h>
@@ -257,22 +260,33 @@ __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const Unit
 // (unit, K group) iterations (cursor = iteration), cut at unit edges.
 struct WorkCursor {
   int64_t cursor, end;
+  int64_t start = 0;         // stream-K: this block's first iteration
+  uint32_t iters = 0;        // stream-K: all (unit, K group) iterations (iters x blocks < 2^32: the launch checks)
   bool stream_k;
+  bool first_piece = false;  // stream-K: the piece Next returned last is this block's first
 
   __device__ WorkCursor(const HopperGemmParams& p, int64_t total_units, int64_t groups) {
     stream_k = p.split_k > 1;
     if (stream_k) {
-      const int64_t iters = total_units * groups;
-      cursor = iters * blockIdx.x / gridDim.x;
-      end = iters * (blockIdx.x + 1) / gridDim.x;
+      iters = static_cast<uint32_t>(total_units * groups);
+      start = cursor = BlockStart(blockIdx.x);
+      end = BlockStart(blockIdx.x + 1);
     } else {
       cursor = blockIdx.x;
       end = total_units;
     }
   }
 
+  // Stream-K: the first iteration of block b's range (the range ends where block b + 1's begins);
+  // 32-bit arithmetic (a 64-bit division is a called subroutine: the fix-up would spill around it).
+  __device__ __forceinline__ int64_t BlockStart(uint32_t b) const { return iters * b / gridDim.x; }
+
   // Stream-K: the unit of the piece Next returned last (its last iteration is cursor - 1).
   __device__ __forceinline__ int64_t PieceUnit(int64_t groups) const { return (cursor - 1) / groups; }
+
+  // Stream-K: the partial-sum slot of block b's piece in a unit that starts at iteration u0: the
+  // block's first piece (slot 2b) if its range starts in the unit, else its last piece (2b + 1).
+  __device__ __forceinline__ int64_t SlotOf(uint32_t b, int64_t u0) const { return 2 * b + (BlockStart(b) >= u0 ? 0 : 1); }
 
   template <int kTok, bool kPanels>
   __device__ __forceinline__ bool Next(const HopperGemmParams& p, const UnitTable& table, int64_t feat_tiles,
@@ -286,6 +300,7 @@ struct WorkCursor {
       return true;
     }
     t = DecodeUnit<kTok, kPanels>(p, table, cursor / groups, feat_tiles);
+    first_piece = cursor == start;
     t.g0 = cursor % groups;
     t.g1 = min(groups, t.g0 + (end - cursor));
     cursor += t.g1 - t.g0;
@@ -389,13 +404,7 @@ __device__ __forceinline__ void StoreRounded(const HopperGemmParams& p, int64_t 
   else static_cast<float*>(p.out)[idx] = v;
 }
 
-// One output element: added to the split-K workspace (split_k > 1), or rounded and stored.
-__device__ __forceinline__ void StoreOutput(const HopperGemmParams& p, int64_t idx, float v) {
-  if (p.split_k > 1) atomicAdd(p.split_ws + idx, v);
-  else StoreRounded(p, idx, v);
-}
-
-// Elements idx and idx + 1 in one store (split_k 1; idx even, so the pair is 4- / 8-byte aligned).
+// Elements idx and idx + 1 in one store (idx even, so the pair is 4- / 8-byte aligned).
 __device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64_t idx, float a, float b) {
   if (p.out_bf16) {
     *reinterpret_cast<uint32_t*>(static_cast<uint16_t*>(p.out) + idx) =
@@ -405,29 +414,78 @@ __device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64
   }
 }
 
-// Stream-K fix-up (split_k > 1), called by a whole warp after each lane added its partial sums for
-// this piece: the warp adds the piece's K groups to its counter for the unit (one per consumer warp:
-// the same warp of every piece adds the same elements); true in the warp whose count completes the
-// unit's K groups, which then reads the sums back (__ldcg) and stores them rounded.
+// Stream-K fix-up (split_k > 1) of a piece that is not a whole unit, called by a whole warp with its
+// lanes' partial sums in total (kAcc per thread; thread ct of n_threads consumer threads). The sums
+// go to this piece's slot (plain float4 stores, thread-interleaved so a warp's stores coalesce), then
+// the warp adds the piece's K groups to its counter for the unit (one per consumer warp: the same warp
+// of every piece holds the same elements). In the warp whose count completes the unit's K groups,
+// total becomes the sum of the unit's slots in the order of the blocks that ran them (its own
+// included) and the result is true: that warp rounds and stores. Ordering: the warp barrier puts
+// every lane's stores before lane 0's release fence and count; the completing lane 0 fences again
+// (acquire) before the barrier after which its lanes read the slots from L2. (The former form added
+// the sums with float atomics and fenced with __threadfence() in every lane, a sequentially
+// consistent fence; on the H200 small split einsums ran 10-50% slower than with the separate
+// rounding kernel before it.)
 constexpr int kCounterSlots = 12;  // counters per unit: up to 3 consumer warpgroups x 4 warps
 
-__device__ __forceinline__ bool PieceCompletesUnit(const HopperGemmParams& p, const Unit& t, int64_t unit,
-                                                   int64_t groups, int warp_slot, int lane) {
-  __threadfence();  // this lane's sums are visible device-wide before the count says so
+template <int kAcc>
+__device__ __forceinline__ bool StreamKFixUp(const HopperGemmParams& p, const WorkCursor& work, const Unit& t,
+                                             int64_t groups, int ct, int n_threads, int warp_slot, int lane,
+                                             float (&total)[kAcc]) {
+  static_assert(kAcc % 4 == 0, "partial slots are written in float4s");
+  const int64_t unit = work.PieceUnit(groups), u0 = unit * groups;
+  float* slots = p.split_ws + p.partial_offset;
+  auto at = [&](int64_t slot, int i) {
+    return reinterpret_cast<float4*>(slots + (slot * kAcc + static_cast<int64_t>(i)) * n_threads) + ct;
+  };
+  const int64_t mine = 2 * static_cast<int64_t>(blockIdx.x) + (work.first_piece ? 0 : 1);
+#pragma unroll
+  for (int i = 0; i < kAcc; i += 4) *at(mine, i) = make_float4(total[i], total[i + 1], total[i + 2], total[i + 3]);
   __syncwarp();
-  const int mine = static_cast<int>(t.g1 - t.g0);
   int done = 0;
-  int* counters = reinterpret_cast<int*>(p.split_ws + p.m * p.h * p.f);  // after the sums (see UnitsBound)
-  if (lane == 0) done = atomicAdd(counters + unit * kCounterSlots + warp_slot, mine) + mine;
+  if (lane == 0) {
+    const int count = static_cast<int>(t.g1 - t.g0);
+    int* counters = reinterpret_cast<int*>(p.split_ws);
+    sm90::FenceReleaseGpu();  // release: this warp's slot before the count says so
+    done = sm90::AtomicAddRelaxedGpu(counters + unit * kCounterSlots + warp_slot, count) + count;
+    if (done == groups) sm90::FenceAcquireGpu();  // acquire: the other pieces' slots, released before their counts
+  }
   done = __shfl_sync(0xffffffffu, done, 0);
   if (done != groups) return false;
-  __threadfence();  // the other pieces' sums, fenced before their counts, are visible from here
+  __syncwarp();  // memory ordering: lane 0's acquire before every lane's reads
+#pragma unroll
+  for (int i = 0; i < kAcc; ++i) total[i] = 0.0f;
+  // The unit's pieces in block order: from the block whose range holds its first iteration (the
+  // largest b with BlockStart(b) <= u0) to the last block starting before its end; empty ranges skipped.
+  uint32_t b = static_cast<uint32_t>(u0) * gridDim.x / work.iters;
+  while (b + 1 < gridDim.x && work.BlockStart(b + 1) <= u0) ++b;
+  for (; b < gridDim.x && work.BlockStart(b) < u0 + groups; ++b) {
+    if (work.BlockStart(b + 1) == work.BlockStart(b)) continue;
+    const int64_t slot = work.SlotOf(b, u0);
+#pragma unroll
+    for (int i = 0; i < kAcc; i += 4) {
+      const float4 v = __ldcg(at(slot, i));
+      total[i] += v.x, total[i + 1] += v.y, total[i + 2] += v.z, total[i + 3] += v.w;
+    }
+  }
   return true;
 }
 
-// The rounded value of element idx once every piece has added to it.
-__device__ __forceinline__ void StoreFinished(const HopperGemmParams& p, int64_t idx) {
-  StoreRounded(p, idx, __ldcg(p.split_ws + idx));
+// Bytes of one block's partial-sum slots: two pieces of a kTok x 128 tile.
+constexpr int64_t PartialBlockBytes(int tile_tokens) { return 2 * static_cast<int64_t>(tile_tokens) * kFeatTile * 4; }
+
+// Units of work at most (the einsum's exactly): a batch's rows in token tiles, each expert of the grouped
+// GEMM adding at most one partial tile, times the feature tiles.
+static int64_t UnitsBound(int64_t m, int64_t h, int64_t f, int tile_tokens, int64_t grouped_batches) {
+  const int64_t tile = tile_tokens > 0 ? tile_tokens : 1;
+  return (h * ((m + tile - 1) / tile) + grouped_batches) * ((f + kFeatTile - 1) / kFeatTile);
+}
+
+// Split-K piece counters (int32 per unit and consumer warp), rounded up to 256 bytes; the partial-sum
+// slots follow them.
+static size_t CounterBytes(int64_t m, int64_t h, int64_t f, int tile_tokens, int64_t grouped_batches) {
+  const size_t bytes = static_cast<size_t>(UnitsBound(m, h, f, tile_tokens, grouped_batches)) * kCounterSlots * 4;
+  return (bytes + 255) / 256 * 256;
 }
 
 // The consumers of the block-scaled einsum's 128- and 192-token tiles (e4m3 weights, one weight scale
@@ -522,24 +580,23 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
         fn(i, (m * p.h + t.head) * p.f + f, f + 1 < p.f);
       }
     };
+    // Stream-K (a kernel of its own: the fix-up costs the 192-token MMA loop spills): a partial piece
+    // hands its sums to the fix-up; only the warp completing the unit goes on, with the unit's sums.
+    if constexpr (kStreamK) {
+      if (!(t.g0 == 0 && t.g1 == groups) &&
+          !StreamKFixUp(p, work, t, groups, cw * 128 + tid, kCw * 128, cw * 4 + warp, lane, total))
+        continue;
+    }
     // Epilogue: one store per pair where F is even (the pair is aligned).
-    const bool paired = p.f % 2 == 0 && p.split_k == 1;
+    const bool paired = p.f % 2 == 0;
     for_each_pair([&](int i, int64_t idx, bool second) {
       if (paired && second) {
         StoreOutputPair(p, idx, total[i], total[i + 1]);
       } else {
-        StoreOutput(p, idx, total[i]);
-        if (second) StoreOutput(p, idx + 1, total[i + 1]);
+        StoreRounded(p, idx, total[i]);
+        if (second) StoreRounded(p, idx + 1, total[i + 1]);
       }
     });
-    if constexpr (kStreamK) {  // a kernel of its own: this code costs the 192-token MMA loop two spills
-      if (PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane)) {
-        for_each_pair([&](int, int64_t idx, bool second) {
-          StoreFinished(p, idx);
-          if (second) StoreFinished(p, idx + 1);
-        });
-      }
-    }
   }
   // The last warpgroup's last pass (to warpgroup 0) has no matching wait: take it, so no barrier is
   // left half-arrived.
@@ -903,9 +960,12 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           fn(i, (m * p.h + t.head) * p.f + f);
         }
       };
-      for_each_element([&](int i, int64_t idx) { StoreOutput(p, idx, total[0][i]); });
-      if (p.split_k > 1 && PieceCompletesUnit(p, t, work.PieceUnit(groups), groups, cw * 4 + warp, lane))
-        for_each_element([&](int, int64_t idx) { StoreFinished(p, idx); });
+      // Stream-K: a partial piece hands its sums to the fix-up; only the warp completing the unit
+      // stores, the unit's sums.
+      if (p.split_k > 1 && !(t.g0 == 0 && t.g1 == groups) &&
+          !StreamKFixUp(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane, total[0]))
+        continue;
+      for_each_element([&](int i, int64_t idx) { StoreRounded(p, idx, total[0][i]); });
     }
   }
   // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
@@ -1049,7 +1109,15 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
     }
   }
   KernelArgs args{p, stages, p.k / kKGroup};
-  kernel<<<dev.sms * kBlocks, ThreadsOf<kTok, kTokenRows>(), smem, stream>>>(args, map_w, map_x, map_sx);
+  // Persistent: the resident blocks; under split-K no more than have partial-sum slots in the scratch.
+  int64_t grid = static_cast<int64_t>(dev.sms) * kBlocks;
+  if (p.split_k > 1) {
+    grid = std::min(grid, (p.split_bytes - p.partial_offset * 4) / PartialBlockBytes(kTok));
+    // Stream-K deals iterations in 32-bit arithmetic: iterations x blocks must stay below 2^32.
+    const int64_t iters = UnitsBound(p.m, p.h, p.f, kTok, p.group_sizes != nullptr ? p.b : 0) * (p.k / kKGroup);
+    if (iters * grid >= (int64_t{1} << 32)) return cudaErrorInvalidValue;
+  }
+  kernel<<<static_cast<unsigned>(grid), ThreadsOf<kTok, kTokenRows>(), smem, stream>>>(args, map_w, map_x, map_sx);
   return cudaGetLastError();
 }
 
@@ -1121,44 +1189,39 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   return true;
 }
 
-// Units of work at most (the einsum's exactly): a batch's rows in token tiles, each expert of the grouped
-// GEMM adding at most one partial tile, times the feature tiles.
-static int64_t UnitsBound(int64_t m, int64_t h, int64_t f, int tile_tokens, int64_t grouped_batches) {
-  const int64_t tile = tile_tokens > 0 ? tile_tokens : 1;
-  return (h * ((m + tile - 1) / tile) + grouped_batches) * ((f + kFeatTile - 1) / kFeatTile);
-}
-
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,
                               int64_t grouped_batches) {
   const int64_t mp = (m + 3) / 4 * 4;
   size_t bytes = static_cast<size_t>(k / kKGroup) * h * mp * sizeof(float);
   bytes = (bytes + 255) / 256 * 256;
-  if (split_k > 1) {
-    bytes += static_cast<size_t>(m) * h * f * sizeof(float);
-    bytes += static_cast<size_t>(UnitsBound(m, h, f, tile_tokens, grouped_batches)) * kCounterSlots * sizeof(int32_t);
-  }
+  if (split_k > 1) bytes += CounterBytes(m, h, f, tile_tokens, grouped_batches) + PartialBlockBytes(tile_tokens);
   return bytes;
 }
 
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const DeviceInfo dev = CurrentDevice();
   const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
-  // split_k > 1: the sums [M, H, F] and after them the piece counters, cleared together.
-  const int64_t n_zero = p.split_k > 1 ? p.m * p.h * p.f + UnitsBound(p.m, p.h, p.f, p.tile_tokens,
-                                                                       p.group_sizes != nullptr ? p.b : 0) *
-                                                             kCounterSlots
-                                       : 0;
+  // split_k > 1: the piece counters are cleared; the partial-sum slots after them need no clearing
+  // (every slot a fix-up reads was written by its piece first).
+  HopperGemmParams q = p;
+  const size_t counter_bytes =
+      p.split_k > 1 ? CounterBytes(p.m, p.h, p.f, p.tile_tokens, p.group_sizes != nullptr ? p.b : 0) : 0;
+  const int64_t n_zero = static_cast<int64_t>(counter_bytes / 4);
+  q.partial_offset = n_zero;
+  if (p.split_k > 1 && p.split_bytes < static_cast<int64_t>(counter_bytes) + PartialBlockBytes(p.tile_tokens))
+    return cudaErrorInvalidValue;  // the handlers check the scratch size first
   // Grouped GEMM under split-K: the padding rows are zeroed here, not by units of the GEMM (see the kernel).
   const bool zero_padding = p.split_k > 1 && p.group_sizes != nullptr;
   if (n > 0 || n_zero > 0) {
-    const int blocks = static_cast<int>(std::min<int64_t>((std::max(n, n_zero) + 255) / 256, int64_t{dev.sms} * 8));
+    const int64_t work = std::max({n, n_zero, zero_padding ? p.m * p.f : int64_t{0}});
+    const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t{dev.sms} * 8));
     PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
                                                        p.split_ws, n_zero, zero_padding ? p.group_sizes : nullptr,
                                                        p.b, p.out, p.out_bf16, p.f);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
-  if (p.fused_up) return LaunchFusedUp(p, stream, dev);
-  return p.w_int4 ? LaunchTok<true>(p, stream, dev) : LaunchTok<false>(p, stream, dev);
+  if (p.fused_up) return LaunchFusedUp(q, stream, dev);
+  return p.w_int4 ? LaunchTok<true>(q, stream, dev) : LaunchTok<false>(q, stream, dev);
 }
 
 }  // namespace jax_w4a8

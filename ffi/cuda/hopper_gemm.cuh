@@ -38,9 +38,13 @@ struct HopperGemmParams {
   const int32_t* group_sizes;  // [B] for the grouped GEMM (H == 1); nullptr for the einsum
   void* out;                   // [M, H, F] bfloat16 or float32
   bool out_bf16;
-  float* split_ws;             // split_k > 1: float32 [M, H, F] sums, then int32 piece counters (cleared here)
+  // split_k > 1: int32 piece counters per unit (cleared by the launch), then float32 partial sums,
+  // two slots of one tile per block; split_bytes is the size of that region (it bounds the grid).
+  float* split_ws;
+  int64_t split_bytes;
+  int64_t partial_offset;      // floats from split_ws to the partial slots (set by LaunchHopperGemm)
   int64_t m, h, f, k, b, mp;
-  int split_k;                 // > 1: stream-K (fp32 atomics; the piece that completes a tile rounds it)
+  int split_k;                 // > 1: stream-K (partial tiles summed in block order by the piece completing a tile)
   int tile_tokens;             // 16, 32, 64 or 128; 192 for the block-scaled fp8 einsum
   // int4 weights: MMA in f16 (int4 -> f16 costs half the integer instructions of int4 -> e4m3; the
   // activations go to f16 once per stage) instead of e4m3; tile_tokens 16 or 32, not fused.
@@ -58,18 +62,19 @@ struct HopperGemmParams {
 // Whether the current device and these shapes can take the tensor-core kernel (else use the simple one).
 bool HopperGemmSupported(const HopperGemmParams& p, const char** why);
 
-// Bytes of scratch LaunchHopperGemm needs: the prepared activation scales and, with split_k > 1, the
-// split-K sums and piece counters (tile_tokens, and for the grouped GEMM its batch count, bound the
-// number of units; jax_w4a8.tiling mirrors this).
+// Bytes of scratch LaunchHopperGemm needs at least: the prepared activation scales and, with split_k > 1,
+// the piece counters (tile_tokens, and for the grouped GEMM its batch count, bound the number of units)
+// and the partial-sum slots of one block. Every further block's slots (2 x tile_tokens x 128 floats)
+// let one more block run, up to the resident blocks; jax_w4a8.tiling sizes it for all of them.
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens = 0,
                               int64_t grouped_batches = 0);
 
-// Prepares the activation scales (and clears the split-K workspace), then runs the GEMM.
+// Prepares the activation scales (and clears the split-K piece counters), then runs the GEMM.
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream);
 
 
 // The int4 grouped-GEMM parameters shared by w4a8_grouped_gemm and w4a8_moe_up (f: output rows per
-// tile family, the intermediate size when fused); the caller sets sx, split_ws and the fused fields.
+// tile family, the intermediate size when fused); the caller sets sx, split_ws, split_bytes and the fused fields.
 inline HopperGemmParams GroupedInt4Params(const GroupedGemmDims& d, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
                                           const ffi::AnyBuffer& w_scale, const ffi::AnyBuffer& group_sizes,
                                           void* out, int64_t f, int tile_tokens, int split_k) {

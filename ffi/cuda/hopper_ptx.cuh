@@ -84,6 +84,21 @@ __device__ __forceinline__ void FenceProxyAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// GPU-scope release and acquire fences (not __threadfence(), a sequentially consistent fence:
+// MEMBAR.SC.GPU plus an L1 invalidation in every lane). Release is MEMBAR.ALL.GPU in SASS, acquire
+// an L1 invalidation. After a warp or block barrier a release also covers the writes the other
+// threads made before it (cumulativity; CUTLASS's GenericBarrier releases a block's partial tiles
+// with one thread's fence after __syncthreads).
+__device__ __forceinline__ void FenceReleaseGpu() { asm volatile("fence.release.gpu;" ::: "memory"); }
+__device__ __forceinline__ void FenceAcquireGpu() { asm volatile("fence.acquire.gpu;" ::: "memory"); }
+
+// Relaxed GPU-scope atomic add on a global int; returns the old value (ordering comes from the fences).
+__device__ __forceinline__ int AtomicAddRelaxedGpu(int* ptr, int v) {
+  int old;
+  asm volatile("atom.relaxed.gpu.global.add.s32 %0, [%1], %2;" : "=r"(old) : "l"(ptr), "r"(v) : "memory");
+  return old;
+}
+
 // ----------------------------------------------------------------------------------------- TMA
 __device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
