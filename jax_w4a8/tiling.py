@@ -115,14 +115,15 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     # have rows, hence the unit count, is only known on the device; stream-K deals the K groups of
     # the units that exist evenly instead of whole units.
     sparse = not exact and busy < _SPARSE_BUSY * batches and workspace <= 64 << 20
+    bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
+    dealable = bound * groups * slots < 1 << 32  # the kernel deals stream-K iterations in 32-bit arithmetic
     split = 1
-    if groups > 1 and (work < slots or ragged_wave or sparse):
+    if groups > 1 and dealable and (work < slots or ragged_wave or sparse):
         split = max(2, min(math.ceil(slots / max(work, 1)), groups))
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
     if split > 1:  # int32 piece counters (12 per unit bound; hopper_gemm.cu CounterBytes), then two float32
         # partial tiles per resident block (PartialBlockBytes; fewer would shrink the kernel's grid)
-        bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
         scratch += -(-(bound * _COUNTER_SLOTS * 4) // 256) * 256 + slots * 2 * tile_tokens * _FEAT_TILE * 4
     return GemmPlan(tile_tokens, split, scratch, units)
 
