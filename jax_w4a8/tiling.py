@@ -123,8 +123,10 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
     if split > 1:  # int32 piece counters (12 per unit bound; hopper_gemm.cu CounterBytes), then two float32
-        # partial tiles per resident block (PartialBlockBytes; fewer would shrink the kernel's grid)
-        scratch += -(-(bound * _COUNTER_SLOTS * 4) // 256) * 256 + slots * 2 * tile_tokens * _FEAT_TILE * 4
+        # partial tiles per block that can get an iteration (PartialBlockBytes): the kernel's grid is the
+        # resident blocks, cut to the blocks whose slots fit
+        blocks = min(slots, bound * groups)
+        scratch += -(-(bound * _COUNTER_SLOTS * 4) // 256) * 256 + blocks * 2 * tile_tokens * _FEAT_TILE * 4
     return GemmPlan(tile_tokens, split, scratch, units)
 
 

@@ -247,6 +247,27 @@ def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens):
         np.testing.assert_array_equal(out, first, err_msg=f"call {call} differs from call 0")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens, m, n", [(16, 16, 576), (64, 64, 256), (192, 192, 384)])
+def test_stream_k_with_fewer_blocks_than_resident_on_gpu(rng, device, tile_tokens, m, n, monkeypatch):
+    """A plan made for 5 SMs holds partial-tile slots for 5 (or 10) blocks only: the kernel's grid is cut
+    to them (below the H200's resident blocks) and stream-K deals every iteration over those blocks; near
+    float64, no element left unwritten, two calls bitwise equal."""
+    if device.platform != "gpu":
+        pytest.skip("tile configurations exist on the CUDA handler only")
+    from jax_w4a8 import tiling
+    monkeypatch.setattr(tiling, "_num_sms", lambda: 5)
+    x8, sx, w8, sw = make_operands(rng, m, 1, n, 2048, "block")
+    plan = tiling.plan_fp8_einsum(m, 1, n, 2048, block_scaled=True, tile_tokens=tile_tokens)
+    assert plan.split_k > 1  # 2 .. 5 units, 16 K groups each, over 5 .. 10 blocks: partial first and last pieces
+    fn = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=tile_tokens,
+                           out_dtype=jnp.float32)
+    out = run_poisoned(fn, (m, 1, n), jnp.float32, (x8, sx, w8, sw), device)
+    assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)) <= 1e-4
+    again = run_poisoned(fn, (m, 1, n), jnp.float32, (x8, sx, w8, sw), device)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
+
+
 def test_192_token_tiles_need_block_scaled_weights(rng):
     x8, sx, w8, sw = make_operands(rng, 300, 1, 256, 256, "row")
     with pytest.raises(ValueError, match="tile_tokens"):

@@ -107,3 +107,25 @@ def test_block_scaled_einsum_takes_192_token_tiles_where_they_pad_little():
         plan(4096, tile_tokens=192)
     with pytest.raises(ValueError, match="tile_tokens"):
         tiling.plan_grouped_gemm(4096, 32, 4096, 7168, tile_tokens=192)
+
+
+def test_stream_k_scratch_holds_partial_tiles_for_blocks_with_work():
+    # Two partial tiles per block that can get an iteration: 64 x 576 x 1024 has 5 units x 8 K groups =
+    # 40 iterations, fewer than the 132 blocks, so 40 blocks' slots; a bigger problem gets all 132.
+    small = tiling.plan_fp8_einsum(64, 1, 576, 1024, block_scaled=True, num_sms=SMS)
+    assert small.split_k > 1 and small.tile_tokens == 64
+    counters = -(-(5 * 12 * 4) // 256) * 256
+    scales = -(-(8 * 64 * 4) // 256) * 256
+    assert small.scratch_bytes == scales + counters + 40 * 2 * 64 * 128 * 4
+    big = tiling.plan_fp8_einsum(64, 1, 7168, 7168, block_scaled=True, num_sms=SMS)
+    assert big.split_k > 1
+    assert big.scratch_bytes >= SMS * 2 * 64 * 128 * 4
+
+
+def test_no_stream_k_past_32_bit_dealing():
+    # The kernel deals stream-K iterations in 32-bit arithmetic: units x K groups x blocks < 2^32, else
+    # whole units. One 128 x 128 tile: split while the K groups allow it, not past 2^32 / 264 of them.
+    assert tiling.plan_fp8_einsum(1, 1, 128, 128 * 2**14, num_sms=SMS).split_k > 1
+    groups = 2**24
+    assert groups * SMS * 2 >= 1 << 32
+    assert tiling.plan_fp8_einsum(1, 1, 128, 128 * groups, num_sms=SMS).split_k == 1

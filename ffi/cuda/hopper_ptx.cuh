@@ -89,8 +89,15 @@ __device__ __forceinline__ void FenceProxyAsyncShared() {
 // an L1 invalidation. After a warp or block barrier a release also covers the writes the other
 // threads made before it (cumulativity; CUTLASS's GenericBarrier releases a block's partial tiles
 // with one thread's fence after __syncthreads).
+// fence.release / fence.acquire need PTX ISA 8.6 (CUDA 12.8); older toolkits get the acquire-release
+// fence, which is both (CUTLASS's GenericBarrier uses it for the release).
+#if defined(__CUDACC_VER_MAJOR__) && (__CUDACC_VER_MAJOR__ > 12 || (__CUDACC_VER_MAJOR__ == 12 && __CUDACC_VER_MINOR__ >= 8))
 __device__ __forceinline__ void FenceReleaseGpu() { asm volatile("fence.release.gpu;" ::: "memory"); }
 __device__ __forceinline__ void FenceAcquireGpu() { asm volatile("fence.acquire.gpu;" ::: "memory"); }
+#else
+__device__ __forceinline__ void FenceReleaseGpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+__device__ __forceinline__ void FenceAcquireGpu() { asm volatile("fence.acq_rel.gpu;" ::: "memory"); }
+#endif
 
 // Relaxed GPU-scope atomic add on a global int; returns the old value (ordering comes from the fences).
 __device__ __forceinline__ int AtomicAddRelaxedGpu(int* ptr, int v) {
