@@ -30,12 +30,12 @@ products and one FMA per accumulator. The heuristic:
   slot of its block (two per block) and counts its K groups on the tile's counter (one per consumer
   warp); the warp whose count completes the tile adds the tile's slots in block order and rounds
   once. That order is fixed, so split-K outputs are bitwise the same from run to run (they differ
-  from the ``split_k == 1`` plan's in float32 summation order only). The grouped GEMM also runs stream-K when under 90% of the
-  experts are expected to have rows (rows per expert about 2 or fewer): which units exist is only
-  known on the device, and dealing whole units left the last of about 3.3 waves of units 30% full. H200, same
-  run, 32 experts, 64 rows: gate+up 234 -> 211 us, down 141 -> 129 us; at 256 rows (every expert
-  busy, no stream-K) forcing it gave gate+up 255 -> 244 but down 133 -> 152, and from 512 rows it
-  lost 10-60%.
+  from the ``split_k == 1`` plan's in float32 summation order only). The grouped GEMM also runs
+  stream-K when under 90% of the experts are expected to have rows (rows per expert about 2 or
+  fewer): which units exist is only known on the device, and dealing whole units left the last of about 3.3 waves of units 30% full.
+  H200, same run, 32 experts, 64 rows: gate+up 234 -> 211 us, down 141 -> 129 us; at 256 rows
+  (every expert busy, no stream-K) forcing it gave gate+up 255 -> 244 but down 133 -> 152, and from
+  512 rows it lost 10-60%.
 * ``mma`` (int4 weights, grouped GEMM): the tensor-core operand format. ``"e4m3"``: the int4 codes
   become e4m3 in registers and meet the fp8 activations in an fp8 MMA. ``"f16"`` (token tiles 16
   and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
@@ -110,15 +110,12 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
     work = busy * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
     workspace = m * h * f * 4  # float32 output size: stream-K is left to outputs of at most 64 MB (as measured)
-    ragged_wave = exact and work / (math.ceil(work / slots) * slots) < 0.75 and workspace <= 64 << 20
-    # Grouped GEMM with some experts expected empty (rows per expert about 2 or fewer): which experts
-    # have rows, hence the unit count, is only known on the device; stream-K deals the K groups of
-    # the units that exist evenly instead of whole units.
-    sparse = not exact and busy < _SPARSE_BUSY * batches and workspace <= 64 << 20
+    ragged_wave = exact and work / (math.ceil(work / slots) * slots) < 0.75
+    sparse = not exact and busy < _SPARSE_BUSY * batches  # grouped GEMM, some experts expected empty
     bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
     dealable = bound * groups * slots < 1 << 32  # the kernel deals stream-K iterations in 32-bit arithmetic
     split = 1
-    if groups > 1 and dealable and (work < slots or ragged_wave or sparse):
+    if groups > 1 and dealable and (work < slots or ((ragged_wave or sparse) and workspace <= 64 << 20)):
         split = max(2, min(math.ceil(slots / max(work, 1)), groups))
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
