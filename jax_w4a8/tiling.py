@@ -32,10 +32,10 @@ products and one FMA per accumulator. The heuristic:
   once. That order is fixed, so split-K outputs are bitwise the same from run to run (they differ
   from the ``split_k == 1`` plan's in float32 summation order only). The grouped GEMM also runs
   stream-K when under 90% of the experts are expected to have rows (rows per expert about 2 or
-  fewer): which units exist is only known on the device, and dealing whole units left the last of about 3.3 waves of units 30% full.
-  H200, same run, 32 experts, 64 rows: gate+up 234 -> 211 us, down 141 -> 129 us; at 256 rows
-  (every expert busy, no stream-K) forcing it gave gate+up 255 -> 244 but down 133 -> 152, and from
-  512 rows it lost 10-60%.
+  fewer): which units exist is only known on the device, and dealing whole units left the last of
+  about 3.3 waves of units 30% full. H200, same run, 32 experts, 64 rows: gate+up 234 -> 211 us,
+  down 141 -> 129 us; at 256 rows (every expert busy, no stream-K) forcing it gave gate+up
+  255 -> 244 but down 133 -> 152, and from 512 rows it lost 10-60%.
 * ``mma`` (int4 weights, grouped GEMM): the tensor-core operand format. ``"e4m3"``: the int4 codes
   become e4m3 in registers and meet the fp8 activations in an fp8 MMA. ``"f16"`` (token tiles 16
   and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
