@@ -13,6 +13,8 @@ from conftest import run_poisoned
 from jax_w4a8 import ops, quant
 
 BF16_TOL = 4e-3
+# Float32 outputs on a GPU: Hopper fp8 tensor cores accumulate a 128-K group with reduced precision.
+F32_GPU_TOL = 2e-4
 
 
 def make_operands(rng, m, h, n, k, recipe="block", ue8m0=False, spread=4.0):
@@ -81,8 +83,7 @@ def test_zero_rows_and_fp8_limits(rng, device):
     args = (x8[:, 0], sx[:, 0], w8[0], sw[0])
     out = run("md,nd->mn", args, device, (m, n), out_dtype=jnp.float32)
     ref = np_ref.fp8_einsum_mhk(x8, sx, w8, sw)[:, 0]
-    # Hopper fp8 tensor cores accumulate a 128-K group with reduced precision (see the grouped GEMM tests).
-    assert np_ref.rel_err(out, ref) <= (2e-4 if device.platform == "gpu" else 1e-6)
+    assert np_ref.rel_err(out, ref) <= (F32_GPU_TOL if device.platform == "gpu" else 1e-6)
     assert (out[3] == 0).all()
 
 
@@ -263,7 +264,7 @@ def test_stream_k_with_fewer_blocks_than_resident_on_gpu(rng, device, tile_token
     fn = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=tile_tokens,
                            out_dtype=jnp.float32)
     out = run_poisoned(fn, (m, 1, n), jnp.float32, (x8, sx, w8, sw), device)
-    assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)) <= 1e-4
+    assert np_ref.rel_err(out, np_ref.fp8_einsum_mhk(x8, sx, w8, sw)) <= F32_GPU_TOL
     again = run_poisoned(fn, (m, 1, n), jnp.float32, (x8, sx, w8, sw), device)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
 
