@@ -30,7 +30,11 @@ products and one FMA per accumulator. The heuristic:
   slot of its block (two per block) and counts its K groups on the tile's counter (one per consumer
   warp); the warp whose count completes the tile adds the tile's slots in block order and rounds
   once. That order is fixed, so split-K outputs are bitwise the same from run to run (they differ
-  from the ``split_k == 1`` plan's in float32 summation order only). The grouped GEMM also runs
+  from the ``split_k == 1`` plan's in float32 summation order only). The einsum cuts a tile into
+  at most 8 pieces (the grid is cut to 8 blocks per tile): the completing warp waits for one L2 round
+  trip per piece. H200, same run (two rounds), us, up to 53 pieces vs at most 16 / 8 / 4: kv_a
+  (N 576, K 7168) at 1 token 19-21 vs 12-14 / 12-13 / 14-16, at 64 tokens 29-30 vs 21-22 / 19 / 20;
+  q_a (N 1536) at 1 token 17-18 vs 15 / 13 / 14, at 64 tokens 20-22 vs 20-23 / 18-20 / 21. The grouped GEMM also runs
   stream-K when under 90% of the experts are expected to have rows (rows per expert about 2 or
   fewer): which units exist is only known on the device, and dealing whole units left the last of
   about 3.3 waves of units 30% full. H200, same run, 32 experts, 64 rows: gate+up 234 -> 211 us,
@@ -63,6 +67,7 @@ EINSUM_TILE_TOKENS = TILE_TOKENS + (192,)  # 192: block-scaled fp8 einsum only
 _FEAT_TILE = 128
 _COUNTER_SLOTS = 12  # stream-K piece counters per unit: 3 consumer warpgroups x 4 warps
 _DEFAULT_SMS = 132  # H100 / H200 SXM
+_MAX_PIECES = 8  # einsum stream-K: pieces per tile at most (H200: see module docstring)
 _SPARSE_BUSY = 0.9  # stream-K below this expected fraction of experts with rows (H200: see module docstring)
 
 
@@ -115,14 +120,16 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
     dealable = bound * groups * slots < 1 << 32  # the kernel deals stream-K iterations in 32-bit arithmetic
     split = 1
+    blocks = min(slots, bound * groups)  # stream-K blocks: those that can get an iteration
+    if exact:  # the einsum: at most _MAX_PIECES pieces per tile (the completing warp sums them one by one)
+        blocks = min(blocks, max(work, 1) * _MAX_PIECES)
     if groups > 1 and dealable and (work < slots or ((ragged_wave or sparse) and workspace <= 64 << 20)):
-        split = max(2, min(math.ceil(slots / max(work, 1)), groups))
+        split = max(2, min(math.ceil(blocks / max(work, 1)), groups))
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
     if split > 1:  # int32 piece counters (12 per unit bound; hopper_gemm.cu CounterBytes), then two float32
-        # partial tiles per block that can get an iteration (PartialBlockBytes): the kernel's grid is the
-        # resident blocks, cut to the blocks whose slots fit
-        blocks = min(slots, bound * groups)
+        # partial tiles per stream-K block (PartialBlockBytes): the kernel's grid is the resident blocks,
+        # cut to the blocks whose slots fit
         scratch += -(-(bound * _COUNTER_SLOTS * 4) // 256) * 256 + blocks * 2 * tile_tokens * _FEAT_TILE * 4
     return GemmPlan(tile_tokens, split, scratch, units)
 

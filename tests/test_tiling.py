@@ -122,6 +122,18 @@ def test_stream_k_scratch_holds_partial_tiles_for_blocks_with_work():
     assert big.scratch_bytes >= SMS * 2 * 64 * 128 * 4
 
 
+def test_einsum_cuts_a_tile_into_at_most_eight_pieces():
+    # kv_a at one token: 5 tiles x 56 K groups would spread over all 264 blocks (53 pieces per tile);
+    # the plan holds slots for 40 blocks (the kernel's grid), 8 pieces per tile.
+    plan = tiling.plan_fp8_einsum(1, 1, 576, 7168, block_scaled=True, num_sms=SMS)
+    assert plan.tile_tokens == 16 and plan.split_k == 8
+    counters = -(-(5 * 12 * 4) // 256) * 256
+    scales = -(-(56 * 4 * 4) // 256) * 256
+    assert plan.scratch_bytes == scales + counters + 40 * 2 * 16 * 128 * 4
+    # Enough tiles for the blocks: the cap does not bind (56 tiles, about 5 pieces each).
+    assert tiling.plan_fp8_einsum(1, 1, 7168, 7168, block_scaled=True, num_sms=SMS).split_k == 5
+
+
 def test_no_stream_k_past_32_bit_dealing():
     # The kernel deals stream-K iterations in 32-bit arithmetic: units x K groups x blocks < 2^32, else
     # whole units. One 128 x 128 tile: split while the K groups allow it, not past 2^32 / 264 of them.
