@@ -34,9 +34,9 @@ products and one FMA per accumulator. The heuristic:
   at most 8 pieces (the grid is cut to 8 blocks per tile): the completing warp waits for one L2 round
   trip per piece. H200, same run (two rounds), us, up to 53 pieces vs at most 16 / 8 / 4: kv_a
   (N 576, K 7168) at 1 token 19-21 vs 12-14 / 12-13 / 14-16, at 64 tokens 29-30 vs 21-22 / 19 / 20;
-  q_a (N 1536) at 1 token 17-18 vs 15 / 13 / 14, at 64 tokens 20-22 vs 20-23 / 18-20 / 21. The grouped GEMM also runs
-  stream-K when under 90% of the experts are expected to have rows (rows per expert about 2 or
-  fewer): which units exist is only known on the device, and dealing whole units left the last of
+  q_a (N 1536) at 1 token 17-18 vs 15 / 13 / 14, at 64 tokens 20-22 vs 20-23 / 18-20 / 21. The
+  grouped GEMM also runs stream-K when under 90% of the experts are expected to have rows (rows per
+  expert about 2 or fewer): which units exist is only known on the device, and dealing whole units left the last of
   about 3.3 waves of units 30% full. H200, same run, 32 experts, 64 rows: gate+up 234 -> 211 us,
   down 141 -> 129 us; at 256 rows (every expert busy, no stream-K) forcing it gave gate+up
   255 -> 244 but down 133 -> 152, and from 512 rows it lost 10-60%.
@@ -114,7 +114,7 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     busy = batches if busy is None else busy  # batches with rows (expected)
     units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
     work = busy * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
-    workspace = m * h * f * 4  # float32 output size: stream-K is left to outputs of at most 64 MB (as measured)
+    out_bytes = m * h * f * 4  # float32 output size: stream-K is left to outputs of at most 64 MB (as measured)
     ragged_wave = exact and work / (math.ceil(work / slots) * slots) < 0.75
     sparse = not exact and busy < _SPARSE_BUSY * batches  # grouped GEMM, some experts expected empty
     bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
@@ -123,7 +123,7 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     blocks = min(slots, bound * groups)  # stream-K blocks: those that can get an iteration
     if exact:  # the einsum: at most _MAX_PIECES pieces per tile (the completing warp sums them one by one)
         blocks = min(blocks, max(work, 1) * _MAX_PIECES)
-    if groups > 1 and dealable and (work < slots or ((ragged_wave or sparse) and workspace <= 64 << 20)):
+    if groups > 1 and dealable and (work < slots or ((ragged_wave or sparse) and out_bytes <= 64 << 20)):
         split = max(2, min(math.ceil(blocks / max(work, 1)), groups))
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256

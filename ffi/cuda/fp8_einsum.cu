@@ -129,9 +129,9 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   p.sx_src = x_scale.untyped_data();
   p.sx_kind = d.x_scale_ue8m0 ? ActScaleKind::kGroupUe8m0 : ActScaleKind::kGroupF32;
   p.sx = reinterpret_cast<float*>(base);
-  p.split_ws = reinterpret_cast<float*>(base + HopperGemmScratchBytes(d.m, d.h, d.n, d.k, 1));
-  p.split_bytes =
-      static_cast<int64_t>(scratch->size_bytes()) - static_cast<int64_t>(HopperGemmScratchBytes(d.m, d.h, d.n, d.k, 1));
+  const size_t scales_bytes = HopperGemmScratchBytes(d.m, d.h, d.n, d.k, 1);  // the split-K region follows them
+  p.split_ws = reinterpret_cast<float*>(base + scales_bytes);
+  p.split_bytes = static_cast<int64_t>(scratch->size_bytes() - scales_bytes);
   const cudaError_t err = LaunchHopperGemm(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("fp8_einsum: tensor-core kernel failed: ") + cudaGetErrorString(err));

@@ -169,9 +169,9 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   p.sx_src = x_scale.untyped_data();
   p.sx_kind = ActScaleKindOf(d.x_scale_kind);
   p.sx = reinterpret_cast<float*>(base);
-  p.split_ws = reinterpret_cast<float*>(base + (HopperGemmScratchBytes(d.m, 1, d.n, d.k, 1)));
-  p.split_bytes =
-      static_cast<int64_t>(scratch->size_bytes()) - static_cast<int64_t>(HopperGemmScratchBytes(d.m, 1, d.n, d.k, 1));
+  const size_t scales_bytes = HopperGemmScratchBytes(d.m, 1, d.n, d.k, 1);  // the split-K region follows them
+  p.split_ws = reinterpret_cast<float*>(base + scales_bytes);
+  p.split_bytes = static_cast<int64_t>(scratch->size_bytes() - scales_bytes);
   const cudaError_t err = LaunchHopperGemm(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("w4a8_grouped_gemm: tensor-core kernel failed: ") + cudaGetErrorString(err));
