@@ -161,7 +161,8 @@ __device__ __forceinline__ float LoadWeightScale(const HopperGemmParams& p, int6
   }
 }
 
-// The unit table, built by every block from group_sizes: batch token ranges and unit prefix sums.
+// The unit table, built by every block (from group_sizes in the grouped GEMM; the einsum's decode tiles need
+// none, see DecodeUnit): batch token ranges and unit prefix sums.
 struct UnitTable {
   int32_t* start;   // [nb]
   int32_t* end;     // [nb]
@@ -220,9 +221,55 @@ struct Unit {
   bool zero;
 };
 
-template <int kTok, bool kPanels>
+// a / b and a % b, in 32-bit arithmetic where both fit (a 64-bit division is a called subroutine of a few
+// hundred cycles: at one token a unit's decode was most of the latency before the first TMA load).
+__device__ __forceinline__ void DivMod(int64_t a, int64_t b, int64_t& q, int64_t& r) {
+  if (((a | b) >> 32) == 0) {
+    const uint32_t q32 = static_cast<uint32_t>(a) / static_cast<uint32_t>(b);
+    q = q32;
+    r = a - static_cast<int64_t>(q32) * b;
+  } else {
+    q = a / b;
+    r = a - q * b;
+  }
+}
+
+// Units per batch of the einsum, whose batches (heads) all hold the M tokens: token tiles x feature tiles.
+template <int kTok>
+__device__ __forceinline__ int64_t UniformBatchUnits(const HopperGemmParams& p, int64_t feat_tiles) {
+  return (p.m + kTok - 1) / kTok * feat_tiles;
+}
+
+// The einsum's decode-tile unit u: every batch (head) holds the M tokens, so the batch is a division (no
+// table is built).
+template <int kTok>
+__device__ __forceinline__ Unit DecodeUniformUnit(const HopperGemmParams& p, int64_t u, int64_t feat_tiles) {
+  const int64_t tok_tiles = (p.m + kTok - 1) / kTok;
+  int64_t b, r, q, rem;
+  DivMod(u, UniformBatchUnits<kTok>(p, feat_tiles), b, r);
+  DivMod(r, tok_tiles, q, rem);
+  Unit x;
+  x.b = b;
+  x.zero = false;
+  x.m0 = rem * kTok;
+  x.f0 = q * kFeatTile;
+  x.m_end = p.m;
+  x.g0 = 0;
+  x.g1 = 0;
+  x.head = static_cast<int>(b);
+  return x;
+}
+
+// kEinsum: the fp8 einsum's decode-tile kernels (kTok <= 64, e4m3 weights), which take the einsum's units by
+// division and do their divisions in 32 bits where the values fit. The other kernels keep the table search
+// and 64-bit divisions, their code as before (in two A/B runs on the H200 the int4 grouped GEMM's prefill ran
+// 2-3% slower with these changes, which save nothing there).
+template <int kTok, bool kPanels, bool kEinsum = false>
 __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const UnitTable& t, int64_t u,
                                            int64_t feat_tiles) {
+  if constexpr (kEinsum) {
+    if (p.group_sizes == nullptr) return DecodeUniformUnit<kTok>(p, u, feat_tiles);
+  }
   int lo = 0, hi = t.nb - 1;  // last batch with prefix[b] <= u
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
@@ -245,8 +292,15 @@ __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const Unit
     x.f0 = static_cast<int64_t>(within / panel_tiles) * kFeatTile;
   } else {  // decode tiles (a batch rarely has more than one token tile) and int4 experts (whose weights
             // fit in L2 whatever the order)
-    x.m0 = t.start[lo] + (r % tok_tiles) * kTok;
-    x.f0 = (r / tok_tiles) * kFeatTile;
+    if constexpr (kEinsum) {
+      int64_t q, rem;
+      DivMod(r, tok_tiles, q, rem);
+      x.m0 = t.start[lo] + rem * kTok;
+      x.f0 = q * kFeatTile;
+    } else {
+      x.m0 = t.start[lo] + (r % tok_tiles) * kTok;
+      x.f0 = (r / tok_tiles) * kFeatTile;
+    }
   }
   x.m_end = t.end[lo];
   x.g0 = 0;
@@ -281,27 +335,38 @@ struct WorkCursor {
   // 32-bit arithmetic (a 64-bit division is a called subroutine: the fix-up would spill around it).
   __device__ __forceinline__ int64_t BlockStart(uint32_t b) const { return iters * b / gridDim.x; }
 
-  // Stream-K: the unit of the piece Next returned last (its last iteration is cursor - 1).
-  __device__ __forceinline__ int64_t PieceUnit(int64_t groups) const { return (cursor - 1) / groups; }
+  // Stream-K: the unit of the piece Next returned last (its last iteration is cursor - 1); k32 (the einsum's
+  // decode tiles, see DecodeUnit): in 32-bit arithmetic (cursor < iters < 2^32).
+  template <bool k32>
+  __device__ __forceinline__ int64_t PieceUnit(int64_t groups) const {
+    if constexpr (k32) return static_cast<uint32_t>(cursor - 1) / static_cast<uint32_t>(groups);
+    return (cursor - 1) / groups;
+  }
 
   // Stream-K: the partial-sum slot of block b's piece in a unit that starts at iteration u0: the
   // block's first piece (slot 2b) if its range starts in the unit, else its last piece (2b + 1).
   __device__ __forceinline__ int64_t SlotOf(uint32_t b, int64_t u0) const { return 2 * b + (BlockStart(b) >= u0 ? 0 : 1); }
 
-  template <int kTok, bool kPanels>
+  template <int kTok, bool kPanels, bool kEinsum = false>
   __device__ __forceinline__ bool Next(const HopperGemmParams& p, const UnitTable& table, int64_t feat_tiles,
                                        int64_t groups, Unit& t) {
     if (cursor >= end) return false;
     if (!stream_k) {
-      t = DecodeUnit<kTok, kPanels>(p, table, cursor, feat_tiles);
+      t = DecodeUnit<kTok, kPanels, kEinsum>(p, table, cursor, feat_tiles);
       t.g0 = 0;
       t.g1 = groups;
       cursor += gridDim.x;
       return true;
     }
-    t = DecodeUnit<kTok, kPanels>(p, table, cursor / groups, feat_tiles);
+    if constexpr (!kEinsum) {
+      t = DecodeUnit<kTok, kPanels>(p, table, cursor / groups, feat_tiles);
+      t.g0 = cursor % groups;
+    } else {
+      const uint32_t unit = static_cast<uint32_t>(cursor) / static_cast<uint32_t>(groups);  // cursor < iters < 2^32
+      t = DecodeUnit<kTok, kPanels, kEinsum>(p, table, unit, feat_tiles);
+      t.g0 = cursor - static_cast<int64_t>(unit) * groups;
+    }
     first_piece = cursor == start;
-    t.g0 = cursor % groups;
     t.g1 = min(groups, t.g0 + (end - cursor));
     cursor += t.g1 - t.g0;
     return true;
@@ -311,14 +376,14 @@ struct WorkCursor {
 // Calls f(unit, g, stage, phase) for every (unit, K group) whose stage this block loads, in order
 // (zero-fill units load nothing), advancing the ring of stages: the TMA producer and the f16 path's
 // converting warps walk the same sequence through it.
-template <int kTok, bool kPanels, typename F>
+template <int kTok, bool kPanels, bool kEinsum, typename F>
 __device__ __forceinline__ void ForEachLoadedGroup(const HopperGemmParams& p, const UnitTable& table,
                                                    int64_t total_units, int64_t feat_tiles, int64_t groups,
                                                    int stages, F&& f) {
   int stage = 0;
   uint32_t phase = 0;
   WorkCursor work(p, total_units, groups);
-  for (Unit t; work.Next<kTok, kPanels>(p, table, feat_tiles, groups, t);) {
+  for (Unit t; work.Next<kTok, kPanels, kEinsum>(p, table, feat_tiles, groups, t);) {
     if (t.zero) continue;
     for (int64_t g = t.g0; g < t.g1; ++g) {
       f(t, g, stage, phase);
@@ -428,12 +493,12 @@ __device__ __forceinline__ void StoreOutputPair(const HopperGemmParams& p, int64
 // rounding kernel before it.)
 constexpr int kCounterSlots = 12;  // counters per unit: up to 3 consumer warpgroups x 4 warps
 
-template <int kAcc>
+template <bool k32, int kAcc>
 __device__ __forceinline__ bool StreamKFixUp(const HopperGemmParams& p, const WorkCursor& work, const Unit& t,
                                              int64_t groups, int ct, int n_threads, int warp_slot, int lane,
                                              float (&total)[kAcc]) {
   static_assert(kAcc % 4 == 0, "partial slots are written in float4s");
-  const int64_t unit = work.PieceUnit(groups), u0 = unit * groups;
+  const int64_t unit = work.template PieceUnit<k32>(groups), u0 = unit * groups;
   float* slots = p.split_ws + p.partial_offset;
   auto at = [&](int64_t slot, int i) {
     return reinterpret_cast<float4*>(slots + (slot * kAcc + static_cast<int64_t>(i)) * n_threads) + ct;
@@ -595,7 +660,7 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
     // hands its sums to the fix-up; only the warp completing the unit goes on, with the unit's sums.
     if constexpr (kStreamK) {
       if (!(t.g0 == 0 && t.g1 == groups) &&
-          !StreamKFixUp(p, work, t, groups, cw * 128 + tid, kCw * 128, cw * 4 + warp, lane, total))
+          !StreamKFixUp<false>(p, work, t, groups, cw * 128 + tid, kCw * 128, cw * 4 + warp, lane, total))
         continue;
     }
     // Epilogue: one store per pair where F is even (the pair is aligned).
@@ -641,6 +706,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   using L = Layout<kTok, kInt4, kParts, kF16>;
   constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
   constexpr bool kPanels = kTok >= 128 && !kInt4;  // unit order: see DecodeUnit
+  constexpr bool kEinsum = !kInt4 && !kPanels;      // see DecodeUnit
   const HopperGemmParams& p = args.p;
   const int stages = args.stages;
   const int64_t groups = args.groups;
@@ -674,9 +740,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     sm90::PrefetchTensorMap(&map_x);
     sm90::PrefetchTensorMap(&map_sx);
   }
-  BuildUnitTable<kTok>(p, table, feat_tiles);
+  // The einsum's decode-tile units are arithmetic (DecodeUnit), the other kernels' come from the table.
+  const bool uniform = kEinsum && p.group_sizes == nullptr;
+  if (!uniform) BuildUnitTable<kTok>(p, table, feat_tiles);
   __syncthreads();
-  const int64_t total_units = table.prefix[table.nb];
+  const int64_t total_units = uniform ? p.b * UniformBatchUnits<kTok>(p, feat_tiles) : table.prefix[table.nb];
   const int wg = threadIdx.x / 128;
 
   if (wg == 0) {
@@ -685,7 +753,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     if constexpr (kF16) {
       if (threadIdx.x >= 32) {  // warps 1..3: the activations to f16, stage by stage, as they land
         const int lane = threadIdx.x % 32;
-        ForEachLoadedGroup<kTok, kPanels>(p, table, total_units, feat_tiles, groups, stages,
+        ForEachLoadedGroup<kTok, kPanels, kEinsum>(p, table, total_units, feat_tiles, groups, stages,
                                  [&](const Unit&, int64_t, int stage, uint32_t phase) {
                                    sm90::MbarWait(&full[stage], phase);
                                    uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
@@ -698,7 +766,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       }
     }
     if (threadIdx.x != 0) return;
-    ForEachLoadedGroup<kTok, kPanels>(p, table, total_units, feat_tiles, groups, stages,
+    ForEachLoadedGroup<kTok, kPanels, kEinsum>(p, table, total_units, feat_tiles, groups, stages,
                              [&](const Unit& t, int64_t g, int stage, uint32_t phase) {
       sm90::MbarWait(&empty[stage], phase ^ 1);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
@@ -761,7 +829,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   for (int part = 0; part < kParts; ++part)
     desc_w0[part] = sm90::DescSw128(smem + part * L::kWPartBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
   WorkCursor work(p, total_units, groups);
-  for (Unit t; work.Next<kTok, kPanels>(p, table, feat_tiles, groups, t);) {
+  for (Unit t; work.Next<kTok, kPanels, kEinsum>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
     float total[kParts][kTok / 2];
 #pragma unroll
@@ -974,7 +1042,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       // Stream-K: a partial piece hands its sums to the fix-up; only the warp completing the unit
       // stores, the unit's sums.
       if (p.split_k > 1 && !(t.g0 == 0 && t.g1 == groups) &&
-          !StreamKFixUp(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane, total[0]))
+          !StreamKFixUp<kEinsum>(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane, total[0]))
         continue;
       for_each_element([&](int i, int64_t idx) { StoreRounded(p, idx, total[0][i]); });
     }
