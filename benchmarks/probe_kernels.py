@@ -2,6 +2,8 @@
 
     python benchmarks/probe_kernels.py prefill   # einsum M=4096 square, grouped GEMM at 4k / 16k rows
     python benchmarks/probe_kernels.py decode    # grouped GEMM and fused up-projection at 64 .. 4096 rows
+    python benchmarks/probe_kernels.py small     # latency-bound einsums: kv_a / q_a at 1 and 64 tokens, MLA
+                                                 # absorb (128 heads) at b = 1 and 64, each next to XLA bf16
 
 32 experts of one EP8 shard of R1 (gate+up N=4096 K=7168, down N=7168 K=2048), plan defaults, random data;
 each line ends in a checksum, so two builds can be compared for identical results as well as for speed.
@@ -78,13 +80,36 @@ def decode(key):
             print(line, flush=True)
 
 
+def small(key):
+    from jax_w4a8 import quant
+
+    cases = (("kv_a", "md,nd->mn", 576, 7168, None), ("q_a", "md,nd->mn", 1536, 7168, None),
+             ("absorb_q", "bhr,hdr->bhd", 512, 128, 128), ("absorb_o", "bhr,hdr->bhd", 128, 512, 128))
+    for name, eq, n, k, h in cases:
+        for m in (1, 64):
+            sets, bf_sets = [], []
+            for i in range(2):
+                kk = jax.random.fold_in(key, 1000 * m + i)
+                w = jax.random.normal(kk, (n, k) if h is None else (h, n, k), jnp.float32) * 0.02
+                x = jax.random.normal(jax.random.fold_in(kk, 1), (m, k) if h is None else (m, h, k), jnp.bfloat16)
+                w8, ws = quant.quantize_fp8_blocks(w)
+                x8, xs = quant.quantize_fp8_groups(x)
+                sets.append((x8, xs, w8, ws))
+                bf_sets.append((x, w.astype(jnp.bfloat16)))
+            f = lambda *a, eq=eq: ops.fp8_einsum(eq, *a)  # noqa: E731
+            t = C.bench(f, sets)
+            tb = C.bench(lambda a, b, eq=eq: jnp.einsum(eq, a, b), bf_sets)
+            print(f"{name} M={m}: {t * 1e6:7.1f} us | xla_bf16 {tb * 1e6:7.1f} us x{tb / t:.2f} "
+                  f"checksum {_checksum(jax.jit(f)(*sets[0])):.6e}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("prefill", "decode"))
+    ap.add_argument("what", choices=("prefill", "decode", "small"))
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
         sys.exit("probe_kernels.py times the CUDA kernels: run it on a GPU")
-    (prefill if args.what == "prefill" else decode)(jax.random.key(0))
+    {"prefill": prefill, "decode": decode, "small": small}[args.what](jax.random.key(0))
 
 
 if __name__ == "__main__":
