@@ -1,0 +1,60 @@
+"""One named kernel case per process, for profilers (ncu, compute-sanitizer, nsys).
+
+    ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \\
+        --section SourceCounters --section WarpStateStats --section SpeedOfLight -f -o decode64 \\
+        python benchmarks/profile_case.py decode64
+    ncu --import decode64.ncu-rep --page source --print-source sass --csv > decode64.csv
+    python benchmarks/ncu_summary.py decode64.csv
+
+Cases: decode64 (grouped gate+up, 32 experts, M = 64: the 16-token f16 kernel under stream-K), absorb_o1
+(MLA absorb_o, 128 heads, b = 1), kv_a1 (576 x 7168 at one token), square4096 (einsum M = N = K = 7168 /
+4096 tokens: the 192-token kernel). Each runs twice (the first call compiles), so `--launch-skip 1` takes
+the second launch.
+"""
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jax_w4a8 import ops
+
+CASES = ("decode64", "absorb_o1", "kv_a1", "square4096")
+
+
+def _einsum_case(key, eq, x_shape, w_shape):
+    x = jax.random.normal(key, x_shape, jnp.bfloat16).astype(jnp.float8_e4m3fn)
+    w = jax.random.normal(jax.random.fold_in(key, 1), w_shape, jnp.bfloat16).astype(jnp.float8_e4m3fn)
+    xs = jnp.ones(x_shape[:-1] + (x_shape[-1] // 128,), jnp.float32)
+    ws = jnp.ones(w_shape[:-2] + (-(-w_shape[-2] // 128), w_shape[-1] // 128), jnp.float32)
+    return jax.jit(lambda *a: ops.fp8_einsum(eq, *a)), (x, xs, w, ws)
+
+
+def build(case, key):
+    if case == "decode64":
+        e, n, k, m = 32, 4096, 7168, 64
+        w = jax.random.randint(key, (e, n, k // 2), -128, 128, jnp.int32).astype(jnp.int8)
+        ws = jax.random.uniform(key, (e, n, k // 128), jnp.float32, 0.005, 0.015)
+        x = jax.random.normal(key, (m, k), jnp.bfloat16).astype(jnp.float8_e4m3fn)
+        xs = jnp.ones((m, k // 128), jnp.float32)
+        sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(e) / e).astype(np.int32))
+        return jax.jit(ops.w4a8_grouped_gemm), (x, xs, w, ws, sizes)
+    if case == "absorb_o1":
+        return _einsum_case(key, "bhr,hdr->bhd", (1, 128, 512), (128, 128, 512))
+    if case == "kv_a1":
+        return _einsum_case(key, "md,nd->mn", (1, 7168), (576, 7168))
+    return _einsum_case(key, "md,nd->mn", (4096, 7168), (7168, 7168))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("case", choices=CASES)
+    args = ap.parse_args()
+    f, a = build(args.case, jax.random.key(0))
+    for _ in range(2):
+        jax.block_until_ready(f(*a))
+
+
+if __name__ == "__main__":
+    main()
