@@ -1,0 +1,48 @@
+"""The profiling helpers in benchmarks/: ncu_summary.py on a synthetic ncu export with known answers, and
+profile_case.py's cases on the CPU handlers (under ncu they run the CUDA kernels)."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+          "Instructions Executed", "stall_long_sb", "stall_wait", "stall_long_sb (Not Issued)"]
+# A loop of three lines run 100 times (one of them a stalled barrier wait), a prologue line run 4 times.
+LINES = [["0x00", "LDC R1, c[0x0][0x28]", "2", "1", "4", "0", "2", "0"],
+         ["0x10", "LOP3.LUT R7, R7, R64, RZ, 0x3c, !PT", "8", "2", "100", "1", "7", "1"],
+         ["0x20", "@!P0  BRA 0x7f655f7c79e0", "60", "50", "100", "58", "2", "50"],
+         ["0x30", "HGMMA.64x16x16.F32 R24, R32, gdesc[UR4], RZ, !UPT", "30", "20", "100", "0", "30", "0"]]
+
+
+def _run(args, tmp_path=None):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}, timeout=300)
+
+
+def test_ncu_summary_reports_shares_regions_and_top_lines(tmp_path):
+    path = tmp_path / "k.csv"
+    rows = ['"==PROF== a preamble line"', ",".join(f'"{c}"' for c in HEADER)]
+    rows += [",".join(f'"{c}"' for c in line) for line in LINES]
+    path.write_text("\n".join(rows) + "\n")
+    r = _run([os.path.join(BENCH, "ncu_summary.py"), str(path), "--top", "2"])
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "4 SASS lines, 304 warp instructions executed, 100 stall samples" in out
+    # stall reasons over the issued-or-not columns of the plain names: long_sb 59, wait 41 of 100
+    assert "long_sb 59.0%" in out and "wait 41.0%" in out
+    # the 100x region: 3 lines, 300 of 304 instructions, 98 of 100 samples
+    assert "executed        100x     3 lines from line     1:  98.7% of instructions,  98.0% of stall samples" in out
+    top = out.split("top 2 lines")[1].splitlines()[1:]
+    assert len(top) == 2 and "60.0%" in top[0] and "BRA" in top[0] and "long_sb" in top[0]
+    assert "30.0%" in top[1] and "HGMMA" in top[1] and "wait" in top[1]
+
+
+def test_profile_case_runs_each_case_and_refuses_unknown_ones():
+    for case in ("kv_a1", "absorb_o1"):
+        r = _run([os.path.join(BENCH, "profile_case.py"), case])
+        assert r.returncode == 0, r.stderr
+    r = _run([os.path.join(BENCH, "profile_case.py"), "nope"])
+    assert r.returncode != 0 and "invalid choice" in r.stderr
