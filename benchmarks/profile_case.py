@@ -13,12 +13,15 @@ the second launch.
 """
 
 import argparse
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jax_w4a8 import ops
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from jax_w4a8 import ops  # noqa: E402
+from probe_kernels import _grouped_case  # noqa: E402
 
 CASES = ("decode64", "absorb_o1", "kv_a1", "square4096")
 
@@ -32,14 +35,8 @@ def _einsum_case(key, eq, x_shape, w_shape):
 
 
 def build(case, key):
-    if case == "decode64":
-        e, n, k, m = 32, 4096, 7168, 64
-        w = jax.random.randint(key, (e, n, k // 2), -128, 128, jnp.int32).astype(jnp.int8)
-        ws = jax.random.uniform(key, (e, n, k // 128), jnp.float32, 0.005, 0.015)
-        x = jax.random.normal(key, (m, k), jnp.bfloat16).astype(jnp.float8_e4m3fn)
-        xs = jnp.ones((m, k // 128), jnp.float32)
-        sizes = jnp.asarray(np.random.default_rng(0).multinomial(m, np.ones(e) / e).astype(np.int32))
-        return jax.jit(ops.w4a8_grouped_gemm), (x, xs, w, ws, sizes)
+    if case == "decode64":  # probe_kernels.py's grouped case: 32 experts, gate+up N = 4096, K = 7168
+        return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 64, 4096, 7168, 0)
     if case == "absorb_o1":
         return _einsum_case(key, "bhr,hdr->bhd", (1, 128, 512), (128, 128, 512))
     if case == "kv_a1":

@@ -17,7 +17,7 @@ LINES = [["0x00", "LDC R1, c[0x0][0x28]", "2", "1", "4", "0", "2", "0"],
          ["0x30", "HGMMA.64x16x16.F32 R24, R32, gdesc[UR4], RZ, !UPT", "30", "20", "100", "0", "30", "0"]]
 
 
-def _run(args, tmp_path=None):
+def _run(args):
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
                           env={**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}, timeout=300)
 
