@@ -268,8 +268,8 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
 
     Args:
       x, w: float8_e4m3fn operands; out_dtype: bfloat16 or float32; impl: "auto" | "ffi" | "reference";
-      tile_tokens: force the CUDA token tile: 16, 32, 64, 128, or 192 with block-scaled weights (see
-        :mod:`jax_w4a8.tiling`); 0 = plain CUDA-core kernel.
+      tile_tokens: force the CUDA token tile: 8 (the decode kernel, M <= 32), 16, 32, 64, 128, or 192
+        with block-scaled weights (see :mod:`jax_w4a8.tiling`); 0 = plain CUDA-core kernel.
     """
     op = "fp8_einsum"
     rank = _parse_equation(equation)

@@ -49,6 +49,17 @@ products and one FMA per accumulator. The heuristic:
   f16 at 16-row tiles (H200, 64 rows over 32 experts: gate+up 242 vs 312 us, down 135 vs 157 us,
   same run) and e4m3 from 32 rows (336 vs 324 us at 512 rows: the f16 stage also holds the
   converted activations, so fewer stages fit, and one group is in flight instead of two).
+* ``tile_tokens=8`` (einsum only, at most 32 tokens; the plan's choice up to 8): the decode kernel
+  (``ffi/cuda/fp8_decode_gemm.cu``): warp-level fp8 MMAs (16 weight rows x 8-token tiles) fed straight
+  from global memory, the K groups split over the warps of a block and a cluster of up to 8 blocks,
+  partial sums added in a fixed order through shared and distributed shared memory. One launch, no
+  scratch, no scale preparation: the TMA kernel's fixed costs (a preparation launch, block prologue,
+  stream-K fix-up) dominate one-token calls. H200, same process, us at 1 / 8 tokens, this kernel vs
+  the 16-token TMA plan: kv_a 10.3 / 12.9 vs 18.3 / 17.9, q_a 20.1 / 26.0 vs 18.3 / 24.8, o_proj
+  48.4 / 47.3 vs 56.5 / 52.7, 7168 x 7168 33.2 / 27.4 vs 36.4 / 37.0, 7168 x 2048 12.5 / 14.5 vs
+  18.3 / 24.7, MLA absorb_q 11.1 / 11.8 vs 17.6 / 12.3, absorb_o 14.3 / 16.9 vs 22.6 / 17.1, V4
+  wo_a 38.7 / 36.5 vs 39.1 / 38.7. At 16 tokens it mostly lost (its MMA runs as f16 HMMA on
+  sm_90, four times the instructions per weight byte at two token tiles): the plan stops at 8.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 
@@ -60,10 +71,12 @@ import math
 import jax
 
 __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "EINSUM_TILE_TOKENS",
-           "MMAS"]
+           "DECODE_MAX_TOKENS", "MMAS"]
 
 TILE_TOKENS = (16, 32, 64, 128)
-EINSUM_TILE_TOKENS = TILE_TOKENS + (192,)  # 192: block-scaled fp8 einsum only
+EINSUM_TILE_TOKENS = (8,) + TILE_TOKENS + (192,)  # 8: the einsum's decode kernel; 192: block-scaled only
+DECODE_MAX_TOKENS = 32  # tile_tokens 8 (ffi/cuda/fp8_decode_gemm.cuh kDecodeMaxTokens)
+_DECODE_TOKENS = 8  # the einsum plan takes the decode kernel up to this many tokens (H200: see docstring)
 _FEAT_TILE = 128
 _COUNTER_SLOTS = 12  # stream-K piece counters per unit: 3 consumer warpgroups x 4 warps
 _DEFAULT_SMS = 132  # H100 / H200 SXM
@@ -75,7 +88,7 @@ _SPARSE_BUSY = 0.9  # stream-K below this expected fraction of experts with rows
 class GemmPlan:
     """Static launch plan of one CUDA GEMM call (what the benchmark prints)."""
 
-    tile_tokens: int  # 0 (simple kernel), 16, 32, 64, 128 or (block-scaled einsum) 192
+    tile_tokens: int  # 0 (simple kernel), 8 (einsum decode kernel), 16, 32, 64, 128 or (block-scaled einsum) 192
     split_k: int
     scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ split-K piece counters and partial tiles)
     units: int  # expected units of work
@@ -177,9 +190,11 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
 
 
 def _einsum_tile(m: int, block_scaled: bool) -> int:
-    """Token tile of the einsum: as :func:`_tile_for`, except that a block-scaled einsum with at least
-    2048 rows (where 192 was measured to pay) takes 192-token tiles unless they pad M by over 10% more
-    than 128-token tiles."""
+    """Token tile of the einsum: the decode kernel (8) up to ``_DECODE_TOKENS`` tokens, else as
+    :func:`_tile_for`, except that a block-scaled einsum with at least 2048 rows (where 192 was
+    measured to pay) takes 192-token tiles unless they pad M by over 10% more than 128-token tiles."""
+    if m <= _DECODE_TOKENS:
+        return 8
     tile = _tile_for(m, spread=False)
     if block_scaled and m >= 2048 and -(-m // 192) * 192 <= 1.1 * (-(-m // 128) * 128):
         return 192
@@ -198,4 +213,9 @@ def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = Fals
                          "w_scale [.., ceil(N/128), K/128]); per-row weight scales run tiles up to 128")
     if tile_tokens is None:
         tile_tokens = _einsum_tile(m, block_scaled)
+    if tile_tokens == 8:
+        if m > DECODE_MAX_TOKENS:
+            raise ValueError(f"argument 'tile_tokens'=8 (the decode kernel) takes at most {DECODE_MAX_TOKENS} "
+                             f"tokens, got M = {m}")
+        return GemmPlan(8, 1, 0, h * -(-n // 16))
     return _plan(m, h, n, k, h, m, tile_tokens, num_sms, exact=True, allowed=EINSUM_TILE_TOKENS)

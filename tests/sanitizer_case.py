@@ -43,6 +43,15 @@ def main() -> int:
         out = jax.jit(lambda *a, tok=tok: ops.fp8_einsum("md,nd->mn", *a, impl="ffi", tile_tokens=tok))(a8, sa, w8, sw)
         ref = np_ref.fp8_einsum_mhk(a8[:, None], sa[:, None], w8[None], sw[None])[:, 0]
         ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), ref) <= 4e-3
+    # the decode kernel (tile 8): split K over a cluster (576 rows), partial row tiles, 2 and 4 token
+    # tiles, and whole tiles per warp (128 heads, one K group)
+    for m, h, n, k in ((1, 1, 576, 2048), (5, 3, 130, 384), (11, 2, 40, 256), (27, 1, 33, 640), (1, 128, 512, 128)):
+        wf = rng.standard_normal((h, n, k)).astype(np.float32)
+        w8, sw = quant.quantize_fp8_blocks(wf)
+        a8, sa = quant.quantize_fp8_groups(rng.standard_normal((m, h, k)).astype(np.float32), ue8m0=True)
+        out = jax.jit(lambda *a: ops.fp8_einsum("bhr,hdr->bhd", *a, impl="ffi", tile_tokens=8))(
+            a8, quant.encode_ue8m0(sa), w8, sw)
+        ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.fp8_einsum_mhk(a8, sa, w8, sw)) <= 4e-3
     for tok in (16, 64):  # the fused up-projection: w13 [E, 2I, K/2] with I = 128
         w13, s13 = quant.quantize_w4(rng.standard_normal((3, 256, 256)).astype(np.float32))
         args = (x8, xs, w13, s13, jnp.asarray([10, 0, 30], jnp.int32))

@@ -269,6 +269,43 @@ def test_stream_k_with_fewer_blocks_than_resident_on_gpu(rng, device, tile_token
     np.testing.assert_array_equal(np.asarray(out), np.asarray(again))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, h, n, k, recipe, encoding, out_dtype", [
+    (1, 1, 576, 7168, "block", "codes", jnp.bfloat16),   # kv_a at one token: a cluster of 8 blocks splits K
+    (3, 4, 130, 384, "row", "f32", jnp.float32),         # partial 16-row tile, per-row scales, 3 K groups
+    (8, 1, 17, 128, "block", "e8m0fnu", jnp.bfloat16),   # one K group: one warp per block
+    (9, 2, 200, 1024, "row", "codes", jnp.float32),      # two 8-token tiles, the second with one token
+    (16, 128, 64, 512, "block", "f32", jnp.bfloat16),    # MLA-absorb-like: 128 heads
+    (27, 3, 33, 640, "row", "f32", jnp.bfloat16),        # four token tiles, 5 K groups over 4 warps
+    (32, 1, 1536, 2048, "block", "codes", jnp.float32),  # four full token tiles, a cluster of 2
+    (1, 128, 512, 128, "block", "f32", jnp.bfloat16),    # MLA absorb_q: 4096 tiles of one K group, walked
+                                                         # whole by each warp, loads running ahead across tiles
+    (2, 160, 160, 640, "row", "codes", jnp.float32),     # whole tiles of 5 groups, some warps take two
+])
+def test_decode_kernel_on_gpu(rng, device, m, h, n, k, recipe, encoding, out_dtype):
+    """tile_tokens=8, the one-launch decode kernel (warp MMAs; whole tiles per warp, or K split over warps
+    and a cluster): every
+    element near float64 (no element left unwritten: the output is poisoned), two calls bitwise equal."""
+    if device.platform != "gpu":
+        pytest.skip("the decode kernel exists on the CUDA handler only")
+    x8, sx, w8, sw = make_operands(rng, m, h, n, k, recipe, ue8m0=encoding != "f32", spread=3.0)
+    args = (x8, encode(sx, encoding), w8, encode(sw, encoding))
+    fn = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=8, out_dtype=out_dtype)
+    out = run_poisoned(fn, (m, h, n), out_dtype, args, device)
+    ref = np_ref.fp8_einsum_mhk(x8, sx, w8, sw)
+    assert np_ref.rel_err(out, ref) <= (BF16_TOL if out_dtype == jnp.bfloat16 else F32_GPU_TOL)
+    elem_tol = (8e-3 if out_dtype == jnp.bfloat16 else 2e-3) * np.abs(ref).max(axis=-1, keepdims=True)
+    bad = ~(np.abs(out - ref) <= elem_tol)
+    assert not bad.any(), f"{bad.sum()} elements off"
+    np.testing.assert_array_equal(run_poisoned(fn, (m, h, n), out_dtype, args, device), out)
+
+
+def test_decode_kernel_takes_at_most_32_tokens(rng):
+    x8, sx, w8, sw = make_operands(rng, 33, 1, 64, 128)
+    with pytest.raises(ValueError, match="tile_tokens"):
+        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, tile_tokens=8)
+
+
 def test_192_token_tiles_need_block_scaled_weights(rng):
     x8, sx, w8, sw = make_operands(rng, 300, 1, 256, 256, "row")
     with pytest.raises(ValueError, match="tile_tokens"):

@@ -46,7 +46,8 @@ def _tool(name):
 
 
 @pytest.fixture(scope="module")
-def kernels():
+def functions():
+    """(mangled name, SASS body) of every kernel in the library."""
     if LIB is None:
         pytest.skip("the CUDA handlers are not built")
     tool, disasm = _tool("cuobjdump"), _tool("nvdisasm")
@@ -55,9 +56,13 @@ def kernels():
     env = dict(os.environ, NVDISASM_PATH=str(pathlib.Path(disasm).parent))
     sass = subprocess.run([tool, "-sass", str(LIB)], capture_output=True, text=True, timeout=300, check=True,
                           env=env).stdout
+    return [chunk.partition("\n")[::2] for chunk in sass.split("Function : ")[1:]]
+
+
+@pytest.fixture(scope="module")
+def kernels(functions):
     found = {}
-    for chunk in sass.split("Function : ")[1:]:
-        name, _, body = chunk.partition("\n")
+    for name, body in functions:
         m = KERNEL.search(name)
         if m:
             tok, int4, parts, f16, token_rows = int(m[1]), m[2] == "1", int(m[3]), m[4] == "1", m[5] == "1"
@@ -74,6 +79,20 @@ def test_every_tile_configuration_is_built(kernels):
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
                 | {(t, True, 1, True) for t in (16, 32)})  # int4 grouped GEMM, f16 MMA
     assert set(kernels) == expected
+
+
+def test_einsum_decode_kernel_issues_warp_mmas(functions):
+    """Fp8DecodeKernel<token tiles> (tile_tokens 8): one per 1, 2, 4 tiles of 8 tokens. Its fp8
+    mma.sync m16n8k32 runs as f16 HMMA.16816 on sm_90 (e4m3 -> f16 is exact; float32 accumulation);
+    weights are streamed past L1 in 16-byte loads; no local-memory spills up to 16 tokens (what the
+    plan takes)."""
+    found = {int(m[1]): body for name, body in functions if (m := re.search(r"Fp8DecodeKernelILi(\d)EE", name))}
+    assert set(found) == {1, 2, 4}
+    for tiles, body in found.items():
+        assert body.count("HMMA.16816.F32") >= 8 * tiles, tiles
+        assert "LDG.E.NA.128" in body, tiles
+        if tiles <= 2:
+            assert not re.search(r"\b(STL|LDL)\b", body), tiles
 
 
 def test_kernels_issue_wgmma_in_their_operand_format(kernels):

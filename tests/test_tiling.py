@@ -19,6 +19,8 @@ def test_decode_tile_covers_routing_spread():
     # An explicit hint is the expected count; the spread is still covered.
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, rows_per_expert=30, num_sms=SMS).tile_tokens == 64
     # The einsum knows its rows exactly: no spread.
+    assert tiling.plan_fp8_einsum(8, 1, 7168, 7168, num_sms=SMS).tile_tokens == 8  # the decode kernel
+    assert tiling.plan_fp8_einsum(9, 1, 7168, 7168, num_sms=SMS).tile_tokens == 16
     assert tiling.plan_fp8_einsum(16, 1, 7168, 7168, num_sms=SMS).tile_tokens == 16
     assert tiling.plan_fp8_einsum(17, 1, 7168, 7168, num_sms=SMS).tile_tokens == 32
 
@@ -64,7 +66,7 @@ def test_stream_k_when_experts_are_expected_empty(m, split):
 
 def test_split_never_exceeds_groups():
     for k in (128, 256, 512):
-        plan = tiling.plan_fp8_einsum(1, 1, 576, k, num_sms=SMS)
+        plan = tiling.plan_fp8_einsum(1, 1, 576, k, tile_tokens=16, num_sms=SMS)
         assert 1 <= plan.split_k <= k // 128
 
 
@@ -125,19 +127,34 @@ def test_stream_k_scratch_holds_partial_tiles_for_blocks_with_work():
 def test_einsum_cuts_a_tile_into_at_most_eight_pieces():
     # kv_a at one token: 5 tiles x 56 K groups would spread over all 264 blocks (53 pieces per tile);
     # the plan holds slots for 40 blocks (the kernel's grid), 8 pieces per tile.
-    plan = tiling.plan_fp8_einsum(1, 1, 576, 7168, block_scaled=True, num_sms=SMS)
+    plan = tiling.plan_fp8_einsum(1, 1, 576, 7168, block_scaled=True, tile_tokens=16, num_sms=SMS)
     assert plan.tile_tokens == 16 and plan.split_k == 8
     counters = -(-(5 * 12 * 4) // 256) * 256
     scales = -(-(56 * 4 * 4) // 256) * 256
     assert plan.scratch_bytes == scales + counters + 40 * 2 * 16 * 128 * 4
     # Enough tiles for the blocks: the cap does not bind (56 tiles, about 5 pieces each).
-    assert tiling.plan_fp8_einsum(1, 1, 7168, 7168, block_scaled=True, num_sms=SMS).split_k == 5
+    assert tiling.plan_fp8_einsum(1, 1, 7168, 7168, block_scaled=True, tile_tokens=16, num_sms=SMS).split_k == 5
 
 
 def test_no_stream_k_past_32_bit_dealing():
     # The kernel deals stream-K iterations in 32-bit arithmetic: units x K groups x blocks < 2^32, else
     # whole units. One 128 x 128 tile: split while the K groups allow it, not past 2^32 / 264 of them.
-    assert tiling.plan_fp8_einsum(1, 1, 128, 128 * 2**14, num_sms=SMS).split_k > 1
+    assert tiling.plan_fp8_einsum(1, 1, 128, 128 * 2**14, tile_tokens=16, num_sms=SMS).split_k > 1
     groups = 2**24
     assert groups * SMS * 2 >= 1 << 32
-    assert tiling.plan_fp8_einsum(1, 1, 128, 128 * groups, num_sms=SMS).split_k == 1
+    assert tiling.plan_fp8_einsum(1, 1, 128, 128 * groups, tile_tokens=16, num_sms=SMS).split_k == 1
+
+
+def test_einsum_decode_kernel_plan():
+    # Up to 8 tokens the einsum takes the one-launch decode kernel: no split-K, no scratch.
+    for m, h, n in ((1, 1, 576), (8, 128, 512), (3, 16, 1024)):
+        plan = tiling.plan_fp8_einsum(m, h, n, 7168, block_scaled=True, num_sms=SMS)
+        assert (plan.tile_tokens, plan.split_k, plan.scratch_bytes) == (8, 1, 0)
+        assert plan.units == h * -(-n // 16)
+    # Forced, it takes up to 32 tokens; more is refused naming the argument.
+    assert tiling.plan_fp8_einsum(32, 1, 576, 7168, tile_tokens=8).tile_tokens == 8
+    with pytest.raises(ValueError, match="'tile_tokens'=8"):
+        tiling.plan_fp8_einsum(33, 1, 576, 7168, tile_tokens=8)
+    # The grouped GEMM has no such kernel.
+    with pytest.raises(ValueError, match="tile_tokens"):
+        tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=8)

@@ -1,7 +1,9 @@
 // CUDA handler of ops.fp8_einsum in its canonical batched form (SPEC 4.2): x [M, H, K] e4m3,
 // w [H, N, K] e4m3, scales float32 or UE8M0 codes, out [M, H, N] bf16/f32.
 //
-// The tensor-core path is hopper_gemm.cu (tile plan from jax_w4a8/tiling.py). The simple CUDA-core kernel: a 16 x 64 tile per block and head, float32 promotion per 128-K block
+// Tensor-core paths (tile plan from jax_w4a8/tiling.py): tile_tokens 8 is the decode kernel of
+// fp8_decode_gemm.cu (M <= 32: warp MMAs, one launch, no scratch), 16 .. 192 the TMA/wgmma kernel of
+// hopper_gemm.cu. The simple CUDA-core kernel: a 16 x 64 tile per block and head, float32 promotion per 128-K block
 // (both scales applied with an FMA after each block), one output rounding. UE8M0 codes are applied
 // as exact powers of two. Edges in M and N are masked; nothing outside the buffers is read.
 #include <cuda_runtime.h>
@@ -10,6 +12,7 @@
 
 #include "../common/checks.h"
 #include "../common/formats.h"
+#include "fp8_decode_gemm.cuh"
 #include "hopper_gemm.cuh"
 #include "simple_tile.cuh"
 #include "xla/ffi/api/ffi.h"
@@ -102,6 +105,19 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   if (split_k < 1 || split_k > d.groups) return Invalid("fp8_einsum", "split_k must be in [1, K/128]");
   if (d.m == 0 || d.h == 0) return ffi::Error::Success();
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
+  if (tile_tokens == 8) {
+    if (d.m > kDecodeMaxTokens)
+      return Invalid("fp8_einsum", "tile_tokens 8 (the decode kernel) takes at most " +
+                                       std::to_string(kDecodeMaxTokens) + " tokens, got M = " + std::to_string(d.m));
+    if (d.h > 65535) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
+    const Fp8DecodeParams p{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
+                            static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(), out->untyped_data(),
+                            d.m, d.h, d.n, d.k, d.groups, d.w_scale_rows, d.w_rows_per_scale == 1 ? 0 : 7,
+                            d.x_scale_ue8m0, d.w_scale_ue8m0, d.out_bf16};
+    if (cudaError_t err = LaunchFp8Decode(p, stream); err != cudaSuccess)
+      return ffi::Error::Internal(std::string("fp8_einsum: decode kernel launch failed: ") + cudaGetErrorString(err));
+    return ffi::Error::Success();
+  }
   if (tile_tokens == 192 && d.w_rows_per_scale == 1)
     return Invalid("fp8_einsum", "tile_tokens 192 needs one weight scale per 128 rows (recipe (1, 128, 128))");
 
