@@ -187,6 +187,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) Fp8DecodeKernel(Fp8DecodeParam
   const int g = lane / 4, t = lane % 4;
   const int64_t tiles_n = (p.n + kRows - 1) / kRows, tiles = tiles_n * p.h;
   const int cluster = plan.cluster;
+  // The cluster is (cluster, 1, 1) along x (Launch), so a block's rank in it is blockIdx.x % cluster.
   const int rank = plan.whole_tiles ? 0 : static_cast<int>(blockIdx.x % cluster);
   int64_t tile0, tile_stride, n_tiles, g_begin, g_end;
   if (plan.whole_tiles) {

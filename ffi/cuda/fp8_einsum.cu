@@ -109,7 +109,7 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
     if (d.m > kDecodeMaxTokens)
       return Invalid("fp8_einsum", "tile_tokens 8 (the decode kernel) takes at most " +
                                        std::to_string(kDecodeMaxTokens) + " tokens, got M = " + std::to_string(d.m));
-    if (d.h > 65535) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
+    if (d.h > 65535) return Invalid("fp8_einsum", "at most 65535 heads are supported by the CUDA kernels");
     const Fp8DecodeParams p{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
                             static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(), out->untyped_data(),
                             d.m, d.h, d.n, d.k, d.groups, d.w_scale_rows, d.w_rows_per_scale == 1 ? 0 : 7,
