@@ -55,7 +55,7 @@ products and one FMA per accumulator. The heuristic:
   partial sums added in a fixed order through shared and distributed shared memory. One launch, no
   scratch, no scale preparation: the TMA kernel's fixed costs (a preparation launch, block prologue,
   stream-K fix-up) dominate one-token calls. H200, same process, us at 1 / 8 tokens, this kernel vs
-  the 16-token TMA plan: kv_a 10.3 / 12.9 vs 18.3 / 17.9, q_a 20.1 / 26.0 vs 18.3 / 24.8, o_proj
+  the 16-token TMA plan: kv_a 10.3 / 12.9 vs 18.3 / 17.9, q_a 17.6 / 18.0 vs 18.3 / 24.8, o_proj
   48.4 / 47.3 vs 56.5 / 52.7, 7168 x 7168 33.2 / 27.4 vs 36.4 / 37.0, 7168 x 2048 12.5 / 14.5 vs
   18.3 / 24.7, MLA absorb_q 11.1 / 11.8 vs 17.6 / 12.3, absorb_o 14.3 / 16.9 vs 22.6 / 17.1, V4
   wo_a 38.7 / 36.5 vs 39.1 / 38.7. At 16 tokens it mostly lost (its MMA runs as f16 HMMA on

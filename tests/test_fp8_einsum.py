@@ -284,8 +284,8 @@ def test_stream_k_with_fewer_blocks_than_resident_on_gpu(rng, device, tile_token
 ])
 def test_decode_kernel_on_gpu(rng, device, m, h, n, k, recipe, encoding, out_dtype):
     """tile_tokens=8, the one-launch decode kernel (warp MMAs; whole tiles per warp, or K split over warps
-    and a cluster): every
-    element near float64 (no element left unwritten: the output is poisoned), two calls bitwise equal."""
+    and a cluster): every element near float64 (no element left unwritten: the output is poisoned), two
+    calls bitwise equal."""
     if device.platform != "gpu":
         pytest.skip("the decode kernel exists on the CUDA handler only")
     x8, sx, w8, sw = make_operands(rng, m, h, n, k, recipe, ue8m0=encoding != "f32", spread=3.0)

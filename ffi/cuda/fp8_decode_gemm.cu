@@ -24,9 +24,9 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "../common/formats.h"
+#include "hopper_gemm.cuh"
 
 namespace jax_w4a8 {
 namespace {
@@ -37,6 +37,14 @@ constexpr int kRows = 16;       // weight rows per warp (the MMA's M)
 constexpr int kMaxWarps = 4;    // warps per block
 constexpr int kMaxCluster = 8;  // portable cluster size
 constexpr int kGroup = 128;
+
+// How a launch spreads the work (PlanFp8Decode).
+struct Fp8DecodeLaunch {
+  int warps;         // warps per block
+  int cluster;       // split K: blocks per cluster splitting a tile's K groups (summed through DSMEM)
+  bool whole_tiles;  // each warp walks whole 16-row tiles (else: a block per tile and cluster rank, split K)
+  int blocks;        // whole tiles: the grid (one wave); split K: tiles x cluster
+};
 
 // One K group's operands of one thread, as loaded.
 template <int NT>
@@ -178,7 +186,7 @@ constexpr int kDepth = 2;  // groups' loads in flight per warp
 //  whole tiles: warp w of the grid takes tiles w, w + all warps, ... each over all K groups, and stores them;
 //  split K:     block (x, head) takes row tile x / cluster; its warps and the cluster's blocks split the K
 //               groups into contiguous runs, summed in a fixed order (warps, then block ranks).
-// Either way a warp walks one sequence of (tile, group) steps with Depth(NT) groups' loads in flight.
+// Either way a warp walks one sequence of (tile, group) steps with kDepth groups' loads in flight.
 template <int NT>
 __global__ void __launch_bounds__(kMaxWarps * 32) Fp8DecodeKernel(Fp8DecodeParams p, Fp8DecodeLaunch plan) {
   constexpr int D = kDepth;
@@ -274,20 +282,6 @@ __global__ void __launch_bounds__(kMaxWarps * 32) Fp8DecodeKernel(Fp8DecodeParam
   if (rank == 0 && warp == 0) StoreTile(p, c_tile, tiles_n, g, t, tot);
 }
 
-int SmCount() {
-  static std::atomic<int> cache[64];
-  int dev = 0;
-  cudaGetDevice(&dev);
-  if (dev < 0 || dev >= 64) dev = 0;
-  int sms = cache[dev].load(std::memory_order_relaxed);
-  if (sms == 0) {
-    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-    sms = std::max(sms, 1);
-    cache[dev].store(sms, std::memory_order_relaxed);
-  }
-  return sms;
-}
-
 template <int NT>
 cudaError_t Launch(const Fp8DecodeParams& p, const Fp8DecodeLaunch& plan, cudaStream_t stream) {
   cudaLaunchConfig_t cfg = {};
@@ -305,8 +299,6 @@ cudaError_t Launch(const Fp8DecodeParams& p, const Fp8DecodeLaunch& plan, cudaSt
   cfg.numAttrs = 1;
   return cudaLaunchKernelEx(&cfg, Fp8DecodeKernel<NT>, p, plan);
 }
-
-}  // namespace
 
 // H200, one-token and 8-token calls of the DeepSeek-V3 linears and MLA products (us, default vs forced
 // alternatives in the same process): more blocks per tile pay while the warps are few (kv_a, 36 tiles:
@@ -333,8 +325,10 @@ Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, i
   return plan;
 }
 
+}  // namespace
+
 cudaError_t LaunchFp8Decode(const Fp8DecodeParams& p, cudaStream_t stream) {
-  const Fp8DecodeLaunch plan = PlanFp8Decode(p.m, p.h, p.n, p.groups, SmCount());
+  const Fp8DecodeLaunch plan = PlanFp8Decode(p.m, p.h, p.n, p.groups, CurrentSmCount());
   if (p.m <= 8) return Launch<1>(p, plan, stream);
   if (p.m <= 16) return Launch<2>(p, plan, stream);
   return Launch<4>(p, plan, stream);

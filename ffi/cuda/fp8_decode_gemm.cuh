@@ -21,15 +21,6 @@ struct Fp8DecodeParams {
   bool x_ue8m0, w_ue8m0, out_bf16;
 };
 
-// How the launch spreads the work (chosen from the shapes and the SM count; exposed for tests).
-struct Fp8DecodeLaunch {
-  int warps;         // warps per block
-  int cluster;       // split K: blocks per cluster splitting a tile's K groups (summed through DSMEM)
-  bool whole_tiles;  // each warp walks whole 16-row tiles (else: a block per tile and cluster rank, split K)
-  int blocks;        // whole tiles: the grid (one wave); split K: tiles x cluster
-};
-Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, int sms);
-
 // Runs out = einsum on the stream; the caller has checked shapes and M <= kDecodeMaxTokens.
 cudaError_t LaunchFp8Decode(const Fp8DecodeParams& p, cudaStream_t stream);
 

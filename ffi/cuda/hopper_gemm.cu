@@ -1243,6 +1243,8 @@ cudaError_t LaunchFusedUp(const HopperGemmParams& p, cudaStream_t stream, const 
 
 }  // namespace
 
+int CurrentSmCount() { return CurrentDevice().sms; }
+
 bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   const DeviceInfo dev = CurrentDevice();
   if (dev.major != 9) { *why = "not a Hopper (sm_90) device"; return false; }

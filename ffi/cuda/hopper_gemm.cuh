@@ -59,6 +59,9 @@ struct HopperGemmParams {
   float* h_scale = nullptr;
 };
 
+// The current device's SM count (cached per device, as the launches below use it).
+int CurrentSmCount();
+
 // Whether the current device and these shapes can take the tensor-core kernel (else use the simple one).
 bool HopperGemmSupported(const HopperGemmParams& p, const char** why);
 
