@@ -206,7 +206,8 @@ def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = Fals
     """Plan for ``fp8_einsum`` in canonical form: x [M, H, K], w [H, N, K].
 
     ``block_scaled``: one weight scale per 128 rows (recipe (1, 128, 128)); only then are 192-token
-    tiles available. Raises ValueError naming ``tile_tokens`` for a tile the recipe cannot run.
+    tiles available. ``tile_tokens=8`` is the decode kernel (M <= 32, no scratch). Raises ValueError naming
+    ``tile_tokens`` for a tile the recipe cannot run, or 8 with more than 32 tokens.
     """
     if tile_tokens == 192 and not block_scaled:
         raise ValueError("argument 'tile_tokens'=192 needs block-scaled weights (recipe (1, 128, 128), "
