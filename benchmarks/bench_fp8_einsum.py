@@ -31,6 +31,17 @@ PER_HEAD = {  # name: (H, R, D)
 BS_FULL = [1, 64, 4096]
 
 
+def plan_label(plan):
+    return "cutlass" if plan.kernel == "cutlass" else f"t{plan.tile_tokens}/s{plan.split_k}"
+
+
+def time_native_too(r, plan, fn, arg_sets, native_plan):
+    """When the plan runs CUTLASS, time this library's own kernel (its plan) on the same data as well."""
+    if plan.kernel != "cutlass":
+        return
+    r["native_plan"], r["native_us"] = plan_label(native_plan), C.bench(fn, arg_sets) * 1e6
+
+
 def run(args):
     import jax
     import jax.numpy as jnp
@@ -56,14 +67,17 @@ def run(args):
             x8, xs = quant.quantize_fp8_groups(x, ue8m0=True)
             xc = quant.encode_ue8m0(xs)
             plan = tiling.plan_fp8_einsum(m, 1, n, k, block_scaled=True)  # UE8M0 128x128 weight blocks
+            native_plan = tiling.plan_fp8_einsum(m, 1, n, k, block_scaled=True, kernel="native")
             ours = jax.jit(lambda a, sa, b, sb: ops.fp8_einsum("md,nd->mn", a, sa, b, sb))
             t = C.bench(ours, [(x8, xc, q, s) for q, s in w8])
             got = ours(x8, xc, *w8[0]).astype(jnp.float32)
             ref = ops.fp8_einsum("md,nd->mn", x8, xc, *w8[0], tile_tokens=0).astype(jnp.float32)
-            r = dict(case=name, eq="md,nd->mn", M=m, N=n, K=k, plan=f"t{plan.tile_tokens}/s{plan.split_k}",
+            r = dict(case=name, eq="md,nd->mn", M=m, N=n, K=k, plan=plan_label(plan),
                      rel_err_vs_simple=float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)))
             r.update(ours_us=t * 1e6, TFLOPs=2 * m * n * k / t / 1e12, weight_GBps=n * k / t / 1e9,
                      frac_copy_bw=n * k / t / bw)
+            native = jax.jit(lambda a, sa, c, sc: ops.fp8_einsum("md,nd->mn", a, sa, c, sc, kernel="native"))
+            time_native_too(r, plan, native, [(x8, xc, q, s) for q, s in w8], native_plan)
             peers = {}
             if args.peers == "none":
                 rows.append(r)
@@ -92,14 +106,17 @@ def run(args):
             x = jax.random.normal(jax.random.fold_in(key, b), (b, h, rr), jnp.bfloat16)
             x8, xs = quant.quantize_fp8_groups(x)
             plan = tiling.plan_fp8_einsum(b, h, d, rr, block_scaled=True)
+            native_plan = tiling.plan_fp8_einsum(b, h, d, rr, block_scaled=True, kernel="native")
             ours = jax.jit(lambda a, sa, c, sc: ops.fp8_einsum("bhr,hdr->bhd", a, sa, c, sc))
             t = C.bench(ours, [(x8, xs, wq, wsc)])
             got = ours(x8, xs, wq, wsc).astype(jnp.float32)
             ref = ops.fp8_einsum("bhr,hdr->bhd", x8, xs, wq, wsc, tile_tokens=0).astype(jnp.float32)
-            r = dict(case=name, eq="bhr,hdr->bhd", M=b, N=d, K=rr, H=h, plan=f"t{plan.tile_tokens}/s{plan.split_k}",
+            r = dict(case=name, eq="bhr,hdr->bhd", M=b, N=d, K=rr, H=h, plan=plan_label(plan),
                      rel_err_vs_simple=float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref)))
             r.update(ours_us=t * 1e6, TFLOPs=2 * b * h * d * rr / t / 1e12, weight_GBps=h * d * rr / t / 1e9,
                      frac_copy_bw=h * d * rr / t / bw)
+            native = jax.jit(lambda a, sa, c, sc: ops.fp8_einsum("bhr,hdr->bhd", a, sa, c, sc, kernel="native"))
+            time_native_too(r, plan, native, [(x8, xs, wq, wsc)], native_plan)
             if args.peers != "none":
                 bf = jax.jit(lambda a, c: jnp.einsum("bhr,hdr->bhd", a, c))
                 tp = C.bench(bf, [(x, wbf)])
@@ -144,14 +161,15 @@ PEERS = ["xla_fp8_per_tensor", "xla_bf16", "dequant_bf16_matmul", "xla_jnp_quant
 
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
+    native = f" | native {r['native_plan']} {r['native_us']:.1f} us" if "native_us" in r else ""
     return (f"{r['case']:13s} M={r['M']:6d} N={r['N']:6d} K={r['K']:6d} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
-            f"err {r['rel_err_vs_simple']:.1e} | {peers}")
+            f"err {r['rel_err_vs_simple']:.1e} | {peers}{native}")
 
 
 def report(payload):
     cols = ["case", "equation", "M or b", "N", "K", "plan", "us", "TFLOP/s", "GB/s (weights; quantizer: bytes moved)", "% copy BW"] + [
-        f"vs {p}" for p in PEERS]
+        f"vs {p}" for p in PEERS] + ["this library's kernel (plan, us)"]
     md = []
     for r in payload["rows"]:
         d = {"case": r["case"] + (f" (h={r['H']})" if "H" in r else ""), "equation": r["eq"], "M or b": r["M"],
@@ -160,10 +178,14 @@ def report(payload):
         for p in PEERS:
             if f"x_{p}" in r:
                 d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x"
+        if "native_us" in r:
+            d["this library's kernel (plan, us)"] = f"{r['native_plan']}, {r['native_us']:.1f}"
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
             f"`{payload.get('command', 'python benchmarks/bench_fp8_einsum.py')}`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
-            "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours."
+            "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours; "
+            "plan `cutlass` = CUTLASS's blockwise-scaled GEMM (`kernel=\"cutlass\"`), with this library's own "
+            "kernel timed on the same data in the last column."
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
                "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
                "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")

@@ -1,5 +1,6 @@
 // The Python modules jax_w4a8._lib._ffi_cpu and jax_w4a8._lib._ffi_cuda (this file compiled twice,
-// with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule}.
+// with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule}; the
+// CUDA module also has built_with_cutlass().
 // Target names must match jax_w4a8/_ffi.py:TARGETS.
 #include <nanobind/nanobind.h>
 
@@ -19,6 +20,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8Ue8m0Pack));
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8QuantizeFp8Groups));
 #if defined(JAX_W4A8_CUDA)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxW4a8MoeUpCuda);  // CUDA only: other platforms compose unfused ops
+namespace jax_w4a8 {
+bool CutlassBlockwiseBuilt();  // ffi/cuda/fp8_blockwise_cutlass.cu
+}
 #endif
 
 namespace nb = nanobind;
@@ -42,4 +46,8 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
 #endif
     return d;
   });
+#if defined(JAX_W4A8_CUDA)
+  // Whether the fp8 einsum's CUTLASS prefill kernel was compiled in (jax_w4a8.tiling plans it only then).
+  m.def("built_with_cutlass", []() { return jax_w4a8::CutlassBlockwiseBuilt(); });
+#endif
 }

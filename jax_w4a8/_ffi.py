@@ -14,7 +14,7 @@ import os
 
 import jax
 
-__all__ = ["FfiAvailability", "ffi_available", "export_disabled_checks", "TARGETS"]
+__all__ = ["FfiAvailability", "ffi_available", "built_with_cutlass", "export_disabled_checks", "TARGETS"]
 
 # Target names, one per op; the same name is registered for every platform that has a handler.
 TARGETS = {
@@ -71,6 +71,15 @@ def ffi_available(platform: str = "cuda") -> FfiAvailability:
     if key not in _STATUS:
         return FfiAvailability(platform, False, f"no FFI handlers exist for platform {platform!r}")
     return _STATUS[key]
+
+
+def built_with_cutlass() -> bool:
+    """Whether the CUDA handlers were built with CUTLASS (the fp8 einsum's prefill kernel for recipe
+    (1, 128, 128)); False when the CUDA module is missing or disabled."""
+    if not _STATUS["cuda"]:
+        return False
+    module = importlib.import_module(f"jax_w4a8._lib.{_MODULES['cuda'][0]}")
+    return bool(getattr(module, "built_with_cutlass", lambda: False)())
 
 
 def export_disabled_checks() -> list:

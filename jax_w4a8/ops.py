@@ -243,7 +243,7 @@ def _scale_operand(op, arg, s, ue8m0, impl):
 
 
 def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m0=False, impl="auto",
-               tile_tokens=None):
+               tile_tokens=None, kernel=None):
     """FP8 block-scaled einsum (DeepGEMM ``fp8_einsum`` contract, SPEC 4.2).
 
     ``D = sum_kb sx[., kb] * sw[., kb] * sum_{k in kb} x8 * w8`` in float32, rounded once.
@@ -270,6 +270,10 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
       x, w: float8_e4m3fn operands; out_dtype: bfloat16 or float32; impl: "auto" | "ffi" | "reference";
       tile_tokens: force the CUDA token tile: 8 (the decode kernel, M <= 32), 16, 32, 64, 128, or 192
         with block-scaled weights (see :mod:`jax_w4a8.tiling`); 0 = plain CUDA-core kernel.
+      kernel: the CUDA kernel family: None (the plan's choice), "native" (this library's kernels, tiles as
+        ``tile_tokens``) or "cutlass" (CUTLASS's Hopper blockwise-scaled GEMM, 128 x 128 x 128 tiles: recipe
+        (1, 128, 128), bfloat16 output, N a multiple of 8; the plan's choice from
+        ``tiling.CUTLASS_MIN_TOKENS`` rows per head when the library was built with CUTLASS).
     """
     op = "fp8_einsum"
     rank = _parse_equation(equation)
@@ -313,7 +317,11 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     hh = x.shape[1]
 
     block_scaled = w_scale.shape[-2] != n  # one weight scale per 128 rows (else per row)
-    plan = tiling.plan_fp8_einsum(m, hh, n, k, block_scaled=block_scaled, tile_tokens=tile_tokens)
+    try:
+        plan = tiling.plan_fp8_einsum(m, hh, n, k, block_scaled=block_scaled, tile_tokens=tile_tokens,
+                                      kernel=kernel, out_bf16=out_dtype == jnp.bfloat16)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
     out_type = jax.ShapeDtypeStruct((m, hh, n), out_dtype)
 
     def cpu_fn(*args):
@@ -323,7 +331,8 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
         call = jax.ffi.ffi_call(TARGETS["fp8_einsum"],
                                 (out_type, jax.ShapeDtypeStruct((plan.scratch_bytes,), jnp.uint8)),
                                 vmap_method="sequential")
-        return call(*args, tile_tokens=np.int32(plan.tile_tokens), split_k=np.int32(plan.split_k))[0]
+        return call(*args, tile_tokens=np.int32(plan.tile_tokens), split_k=np.int32(plan.split_k),
+                    kernel=np.int32(tiling.EINSUM_KERNELS.index(plan.kernel)))[0]
 
     ref_fn = functools.partial(reference.fp8_einsum, out_dtype=out_dtype)
     out = _dispatch(impl, cpu_fn, cuda_fn, ref_fn, x, x_scale, w, w_scale)

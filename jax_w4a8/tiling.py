@@ -60,6 +60,18 @@ products and one FMA per accumulator. The heuristic:
   18.3 / 24.7, MLA absorb_q 11.1 / 11.8 vs 17.6 / 12.3, absorb_o 14.3 / 16.9 vs 22.6 / 17.1, V4
   wo_a 38.7 / 36.5 vs 39.1 / 38.7. At 16 tokens it mostly lost (its MMA runs as f16 HMMA on
   sm_90, four times the instructions per weight byte at two token tiles): the plan stops at 8.
+* ``kernel="cutlass"`` (einsum, recipe (1, 128, 128), bfloat16 output, N a multiple of 8): CUTLASS 4.2's
+  Hopper FP8 blockwise-scaled GEMM (``ffi/cuda/fp8_blockwise_cutlass.cu``; 128 x 128 x 128 tiles, tokens on
+  the MMA's A side in two consumer warpgroups, 1 x 2 clusters, a persistent scheduler, no split-K). The plan
+  takes it from ``CUTLASS_MIN_TOKENS`` (128) rows per head when there are at least 32 output tiles (with
+  fewer, this library's stream-K plans fill the GPU better). H200, same process, UE8M0 codes, this library's
+  plan / CUTLASS time, M = 128 / 256 / 512 / 1024 / 2048 / 4096: square 7168 1.09 / 1.82 / 1.26 / 1.14 /
+  1.43 / 1.32; o_proj 1.01 / 1.44 / 1.29 / 1.25 / 1.25 / 1.32; q_b 1.58 / 1.38 / 1.61 / 1.59 / 1.67 / 1.69;
+  shared_down (7168 x 2048) 2.08 / 2.09 / 1.32 / 1.40 / 1.88 / 1.64; q_a (12 tile columns) 0.70 / 0.89 /
+  1.24 / 1.67 / 1.02 / 1.13; kv_a (5 tile columns) 0.80 / 0.80 / 0.97 / 1.23 / 1.50 / 1.09; per head, b =
+  256 / 512 / 1024 / 4096: MLA absorb_q 1.76 / 2.79 / 2.98 / 3.00, absorb_o 1.21 / 1.17 / 1.39 / 1.37, V4
+  wo_a 1.16 / 1.26 / 1.40 / 1.32 (at b = 64, a half-empty 128-row tile: absorb_q 0.78, absorb_o 1.24,
+  wo_a 1.09). At M = 4096, N = K = 7168 it runs 1101-1300 TFLOP/s, about XLA's per-tensor fp8 GEMM.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 
@@ -71,7 +83,7 @@ import math
 import jax
 
 __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "EINSUM_TILE_TOKENS",
-           "DECODE_MAX_TOKENS", "MMAS"]
+           "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS"]
 
 TILE_TOKENS = (16, 32, 64, 128)
 EINSUM_TILE_TOKENS = (8,) + TILE_TOKENS + (192,)  # 8: the einsum's decode kernel; 192: block-scaled only
@@ -82,6 +94,9 @@ _COUNTER_SLOTS = 12  # stream-K piece counters per unit: 3 consumer warpgroups x
 _DEFAULT_SMS = 132  # H100 / H200 SXM
 _MAX_PIECES = 8  # einsum stream-K: pieces per tile at most (H200: see module docstring)
 _SPARSE_BUSY = 0.9  # stream-K below this expected fraction of experts with rows (H200: see module docstring)
+EINSUM_KERNELS = ("native", "cutlass")  # index = the fp8 einsum handler's `kernel` attribute
+CUTLASS_MIN_TOKENS = 128  # the einsum plan takes CUTLASS's blockwise kernel from this many rows per head
+_CUTLASS_MIN_TILES = 32  # ... and this many 128 x 128 output tiles (it runs no split-K; H200: see docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +108,7 @@ class GemmPlan:
     scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ split-K piece counters and partial tiles)
     units: int  # expected units of work
     mma: str = "e4m3"  # int4 weights: "e4m3" or "f16" tensor-core operands
+    kernel: str = "native"  # fp8 einsum: "native" (this library's kernels, by tile_tokens) or "cutlass"
 
 
 def _num_sms() -> int:
@@ -201,14 +217,58 @@ def _einsum_tile(m: int, block_scaled: bool) -> int:
     return tile
 
 
+def _cutlass_scratch(m: int, h: int, n: int, k: int) -> int:
+    """Scratch of the CUTLASS kernel (fp8_blockwise_cutlass.cuh): float32 activation scales [H, G, ceil4(M)],
+    then float32 weight scales [H, ceil(N/128), G] (used when they come as UE8M0 codes)."""
+    g = k // 128
+    return -(-(h * g * (-(-m // 4) * 4) * 4) // 256) * 256 + -(-(h * -(-n // 128) * g * 4) // 256) * 256
+
+
+def cutlass_unsupported(n: int, *, block_scaled: bool, out_bf16: bool, built: bool) -> str:
+    """Empty when the CUTLASS kernel can run the einsum, else why not."""
+    if not built:
+        return "the library was built without CUTLASS (pip install nvidia-cutlass, then rebuild)"
+    if not block_scaled:
+        return "it needs recipe (1, 128, 128): w_scale [.., ceil(N/128), K/128]"
+    if not out_bf16:
+        return "it writes bfloat16 output only"
+    if n % 8:
+        return f"it needs N (output features) a multiple of 8, got {n}"
+    return ""
+
+
 def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = False,
-                    tile_tokens: int | None = None, num_sms: int | None = None) -> GemmPlan:
+                    tile_tokens: int | None = None, num_sms: int | None = None, kernel: str | None = None,
+                    out_bf16: bool = True, cutlass: bool | None = None) -> GemmPlan:
     """Plan for ``fp8_einsum`` in canonical form: x [M, H, K], w [H, N, K].
 
     ``block_scaled``: one weight scale per 128 rows (recipe (1, 128, 128)); only then are 192-token
-    tiles available. ``tile_tokens=8`` is the decode kernel (M <= 32, no scratch). Raises ValueError naming
-    ``tile_tokens`` for a tile the recipe cannot run, or 8 with more than 32 tokens.
+    tiles and the CUTLASS kernel available. ``tile_tokens=8`` is the decode kernel (M <= 32, no scratch).
+    ``kernel``: None lets the plan choose (CUTLASS's blockwise kernel for block-scaled bf16 einsums with at
+    least ``CUTLASS_MIN_TOKENS`` rows per head and 32 output tiles, when built with it); "cutlass" or
+    "native" forces one.
+    ``cutlass``: whether the library has the CUTLASS kernel (default: ask the built library).
+    Raises ValueError naming ``tile_tokens`` or ``kernel`` for a choice these shapes cannot run.
     """
+    if kernel not in (None,) + EINSUM_KERNELS:
+        raise ValueError(f"argument 'kernel' must be None or one of {EINSUM_KERNELS}, got {kernel!r}")
+    if kernel == "cutlass" and tile_tokens is not None:
+        raise ValueError("argument 'tile_tokens' selects this library's kernels; leave it None with kernel='cutlass'")
+    tiles = h * -(-m // 128) * -(-n // 128)
+    if kernel is None and tile_tokens is None and block_scaled and m >= CUTLASS_MIN_TOKENS and tiles >= _CUTLASS_MIN_TILES:
+        if cutlass is None:
+            from . import _ffi  # noqa: PLC0415 - the plan is also used without the CUDA module
+            cutlass = _ffi.built_with_cutlass()
+        if not cutlass_unsupported(n, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass):
+            kernel = "cutlass"
+    if kernel == "cutlass":
+        if cutlass is None:
+            from . import _ffi  # noqa: PLC0415
+            cutlass = _ffi.built_with_cutlass()
+        why = cutlass_unsupported(n, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass)
+        if why:
+            raise ValueError(f"argument 'kernel'='cutlass' cannot run this einsum: {why}")
+        return GemmPlan(128, 1, _cutlass_scratch(m, h, n, k), tiles, kernel="cutlass")
     if tile_tokens == 192 and not block_scaled:
         raise ValueError("argument 'tile_tokens'=192 needs block-scaled weights (recipe (1, 128, 128), "
                          "w_scale [.., ceil(N/128), K/128]); per-row weight scales run tiles up to 128")

@@ -32,6 +32,8 @@ HASH="$(cd "$ROOT" && cat pyproject.toml CMakeLists.txt scripts/constraints.txt 
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   echo "[jax_w4a8] installing build tools and the package (editable)"
   $PIP install -q "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.30" "ninja>=1.11" "jax>=0.11.2"
+  # CUTLASS headers for the fp8 einsum's prefill kernel (the wheel's Python deps are not needed to build)
+  $PIP install -q --no-deps "nvidia-cutlass==4.2.0.0"
   $PIP install -q --no-build-isolation -e "$ROOT[test]"
   echo "$HASH" > "$STAMP"
 fi

@@ -52,6 +52,14 @@ def main() -> int:
         out = jax.jit(lambda *a: ops.fp8_einsum("bhr,hdr->bhd", *a, impl="ffi", tile_tokens=8))(
             a8, quant.encode_ue8m0(sa), w8, sw)
         ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.fp8_einsum_mhk(a8, sa, w8, sw)) <= 4e-3
+    # CUTLASS's blockwise kernel (batch mode over heads, partial tiles in M and N, UE8M0 codes and float32)
+    for m, h, n, k, codes in ((150, 1, 264, 256, True), (300, 3, 576, 384, False), (1, 1, 8, 128, True)):
+        w8, sw = quant.quantize_fp8_blocks(rng.standard_normal((h, n, k)).astype(np.float32), ue8m0=codes)
+        a8, sa = quant.quantize_fp8_groups(rng.standard_normal((m, h, k)).astype(np.float32), ue8m0=codes)
+        enc = quant.encode_ue8m0 if codes else (lambda v: v)
+        out = jax.jit(lambda *a: ops.fp8_einsum("bhr,hdr->bhd", *a, impl="ffi", kernel="cutlass"))(
+            a8, enc(sa), w8, enc(sw))
+        ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.fp8_einsum_mhk(a8, sa, w8, sw)) <= 4e-3
     for tok in (16, 64):  # the fused up-projection: w13 [E, 2I, K/2] with I = 128
         w13, s13 = quant.quantize_w4(rng.standard_normal((3, 256, 256)).astype(np.float32))
         args = (x8, xs, w13, s13, jnp.asarray([10, 0, 30], jnp.int32))

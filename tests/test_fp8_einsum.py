@@ -300,6 +300,49 @@ def test_decode_kernel_on_gpu(rng, device, m, h, n, k, recipe, encoding, out_dty
     np.testing.assert_array_equal(run_poisoned(fn, (m, h, n), out_dtype, args, device), out)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, h, n, k, encoding", [
+    (300, 1, 576, 1024, "codes"),   # M past a 128-row tile, kv_a's partial weight block (N = 4.5 x 128)
+    (257, 1, 1544, 512, "f32"),     # N not a multiple of 128 (12 blocks + 8 rows)
+    (130, 3, 264, 256, "e8m0fnu"),  # per-head form: CUTLASS batch mode over 3 heads
+    (1, 1, 128, 128, "f32"),        # one token, one K block
+    (513, 2, 512, 384, "codes"),
+    (1024, 1, 2048, 2048, "f32"),   # several K blocks per tile and full waves of tiles
+])
+def test_cutlass_kernel_on_gpu(rng, device, m, h, n, k, encoding):
+    """kernel='cutlass' (CUTLASS's Hopper blockwise-scaled GEMM): every element near float64 (the output is
+    poisoned), the same bound as this library's 128-token kernel on the same data, two calls bitwise equal."""
+    if device.platform != "gpu":
+        pytest.skip("the CUTLASS kernel exists on the CUDA handler only")
+    from jax_w4a8 import _ffi
+    if not _ffi.built_with_cutlass():
+        pytest.skip("built without CUTLASS")
+    x8, sx, w8, sw = make_operands(rng, m, h, n, k, "block", ue8m0=encoding != "f32", spread=3.0)
+    args = (x8, encode(sx, encoding), w8, encode(sw, encoding))
+    fn = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", kernel="cutlass")
+    out = run_poisoned(fn, (m, h, n), jnp.bfloat16, args, device)
+    ref = np_ref.fp8_einsum_mhk(x8, sx, w8, sw)
+    assert np_ref.rel_err(out, ref) <= BF16_TOL
+    elem_tol = 8e-3 * np.abs(ref).max(axis=-1, keepdims=True)
+    bad = ~(np.abs(out - ref) <= elem_tol)
+    assert not bad.any(), f"{bad.sum()} elements off"
+    native = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", kernel="native", tile_tokens=128)
+    other = run_poisoned(native, (m, h, n), jnp.bfloat16, args, device)
+    assert np.abs(out - ref).max() <= 2 * np.abs(other - ref).max() + 1e-30
+    np.testing.assert_array_equal(run_poisoned(fn, (m, h, n), jnp.bfloat16, args, device), out)
+
+
+def test_cutlass_kernel_refuses_what_it_cannot_run(rng):
+    x8, sx, w8, sw = make_operands(rng, 300, 1, 256, 256, "row")
+    with pytest.raises(ValueError, match="'kernel'='cutlass'"):
+        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, kernel="cutlass")
+    x8, sx, w8, sw = make_operands(rng, 300, 1, 256, 256, "block")
+    with pytest.raises(ValueError, match="'kernel'='cutlass'"):
+        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, kernel="cutlass", out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="'kernel'"):
+        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, kernel="cublas")
+
+
 def test_decode_kernel_takes_at_most_32_tokens(rng):
     x8, sx, w8, sw = make_operands(rng, 33, 1, 64, 128)
     with pytest.raises(ValueError, match="tile_tokens"):

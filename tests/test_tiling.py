@@ -95,8 +95,9 @@ def test_mma_format_follows_the_tile():
 
 
 def test_block_scaled_einsum_takes_192_token_tiles_where_they_pad_little():
-    # 192-token tiles (three consumer warpgroups) from 2048 rows, unless they pad M by > 10% more.
-    plan = lambda m, **kw: tiling.plan_fp8_einsum(m, 1, 7168, 7168, num_sms=SMS, **kw)
+    # 192-token tiles (three consumer warpgroups) from 2048 rows, unless they pad M by > 10% more
+    # (this library's kernels; the CUTLASS kernel, when built, is the default there: see below).
+    plan = lambda m, **kw: tiling.plan_fp8_einsum(m, 1, 7168, 7168, num_sms=SMS, kernel="native", **kw)
     assert plan(4096, block_scaled=True).tile_tokens == 192
     assert plan(16384, block_scaled=True).tile_tokens == 192
     assert plan(512, block_scaled=True).tile_tokens == 128  # below 2048 rows 192 was not measured to pay
@@ -109,6 +110,40 @@ def test_block_scaled_einsum_takes_192_token_tiles_where_they_pad_little():
         plan(4096, tile_tokens=192)
     with pytest.raises(ValueError, match="tile_tokens"):
         tiling.plan_grouped_gemm(4096, 32, 4096, 7168, tile_tokens=192)
+
+
+def test_block_scaled_bf16_einsum_plans_cutlass_from_its_row_threshold():
+    plan = lambda m, **kw: tiling.plan_fp8_einsum(m, kw.pop("h", 1), kw.pop("n", 7168), 7168, num_sms=SMS, **kw)
+    t = tiling.CUTLASS_MIN_TOKENS
+    p = plan(4096, block_scaled=True, cutlass=True)
+    assert (p.kernel, p.tile_tokens, p.split_k) == ("cutlass", 128, 1)
+    # scratch: float32 activation scales [H, G, ceil4(M)], then float32 weight scales [H, ceil(N/128), G]
+    assert p.scratch_bytes == 56 * 4096 * 4 + -(-(56 * 56 * 4) // 256) * 256
+    assert plan(t - 1, h=3, block_scaled=True, cutlass=True).kernel == "native"
+    q = plan(t + 1, h=3, n=1536, block_scaled=True, cutlass=True)  # 3 heads x 2 x 12 tiles
+    assert q.kernel == "cutlass" and q.units == 3 * -(-(t + 1) // 128) * 12
+    assert q.scratch_bytes == -(-(3 * 56 * (-(-(t + 1) // 4) * 4) * 4) // 256) * 256 + -(-(3 * 12 * 56 * 4) // 256) * 256
+    # Too few tiles for the machine (it has no split-K): kv_a (5 tile columns) up to 768 rows stays native.
+    assert plan(768, n=576, block_scaled=True, cutlass=True).kernel == "native"
+    assert plan(1024, n=576, block_scaled=True, cutlass=True).kernel == "cutlass"
+    # Not taken (native plan instead): per-row weight scales, float32 output, N not a multiple of 8, not built.
+    assert plan(4096, cutlass=True).kernel == "native"
+    assert plan(4096, block_scaled=True, cutlass=True, out_bf16=False).kernel == "native"
+    assert plan(4096, n=7164, block_scaled=True, cutlass=True).kernel == "native"
+    assert plan(4096, block_scaled=True, cutlass=False).kernel == "native"
+    assert plan(4096, block_scaled=True, cutlass=True, tile_tokens=192).kernel == "native"
+    # Forced: refused with the argument's name and the reason.
+    assert plan(1, block_scaled=True, cutlass=True, kernel="cutlass").kernel == "cutlass"
+    for kw, why in ((dict(), "recipe"), (dict(block_scaled=True, out_bf16=False), "bfloat16"),
+                    (dict(block_scaled=True, n=7164), "multiple of 8")):
+        with pytest.raises(ValueError, match=f"'kernel'='cutlass'.*{why}"):
+            plan(4096, cutlass=True, kernel="cutlass", **kw)
+    with pytest.raises(ValueError, match="without CUTLASS"):
+        plan(4096, block_scaled=True, cutlass=False, kernel="cutlass")
+    with pytest.raises(ValueError, match="'tile_tokens'"):
+        plan(4096, block_scaled=True, cutlass=True, kernel="cutlass", tile_tokens=128)
+    with pytest.raises(ValueError, match="'kernel'"):
+        plan(4096, block_scaled=True, kernel="cublas")
 
 
 def test_stream_k_scratch_holds_partial_tiles_for_blocks_with_work():

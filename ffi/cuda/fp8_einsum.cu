@@ -1,17 +1,21 @@
 // CUDA handler of ops.fp8_einsum in its canonical batched form (SPEC 4.2): x [M, H, K] e4m3,
 // w [H, N, K] e4m3, scales float32 or UE8M0 codes, out [M, H, N] bf16/f32.
 //
-// Tensor-core paths (tile plan from jax_w4a8/tiling.py): tile_tokens 8 is the decode kernel of
-// fp8_decode_gemm.cu (M <= 32: warp MMAs, one launch, no scratch), 16 .. 192 the TMA/wgmma kernel of
-// hopper_gemm.cu. The simple CUDA-core kernel: a 16 x 64 tile per block and head, float32 promotion per 128-K block
+// Tensor-core paths (plan from jax_w4a8/tiling.py): kernel 1 is CUTLASS's blockwise-scaled GEMM of
+// fp8_blockwise_cutlass.cu (recipe (1, 128, 128), bf16 out; the prefill plan); with kernel 0, tile_tokens 8
+// is the decode kernel of fp8_decode_gemm.cu (M <= 32: warp MMAs, one launch, no scratch), 16 .. 192 the
+// TMA/wgmma kernel of hopper_gemm.cu. The simple CUDA-core kernel: a 16 x 64 tile per block and head,
+// float32 promotion per 128-K block
 // (both scales applied with an FMA after each block), one output rounding. UE8M0 codes are applied
 // as exact powers of two. Edges in M and N are masked; nothing outside the buffers is read.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <string>
 
 #include "../common/checks.h"
 #include "../common/formats.h"
+#include "fp8_blockwise_cutlass.cuh"
 #include "fp8_decode_gemm.cuh"
 #include "hopper_gemm.cuh"
 #include "simple_tile.cuh"
@@ -99,11 +103,26 @@ ffi::Error LaunchSimple(cudaStream_t stream, const Fp8EinsumDims& d, const ffi::
 
 ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
                          ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, int32_t split_k) {
+                         ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, int32_t split_k,
+                         int32_t kernel) {
   Fp8EinsumDims d;
   if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
   if (split_k < 1 || split_k > d.groups) return Invalid("fp8_einsum", "split_k must be in [1, K/128]");
+  if (kernel != 0 && kernel != 1) return Invalid("fp8_einsum", "kernel must be 0 (this library's) or 1 (CUTLASS)");
   if (d.m == 0 || d.h == 0) return ffi::Error::Success();
+  if (kernel == 1) {
+    if (d.w_rows_per_scale == 1 || !d.out_bf16)
+      return Invalid("fp8_einsum", "the CUTLASS kernel needs recipe (1, 128, 128) and bfloat16 output");
+    if (std::string u = CutlassBlockwiseUnsupported(d.m, d.h, d.n, d.k); !u.empty())
+      return Invalid("fp8_einsum", "the CUTLASS kernel cannot run these shapes: " + u);
+    const CutlassBlockwiseParams p{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
+                                   static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(),
+                                   out->untyped_data(), d.m, d.h, d.n, d.k, d.x_scale_ue8m0, d.w_scale_ue8m0,
+                                   scratch->untyped_data(), scratch->size_bytes()};
+    std::string why;
+    if (!LaunchCutlassBlockwise(p, stream, &why)) return ffi::Error::Internal("fp8_einsum: CUTLASS kernel: " + why);
+    return ffi::Error::Success();
+  }
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
   if (tile_tokens == 8) {
     if (d.m > kDecodeMaxTokens)
@@ -167,5 +186,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8Fp8EinsumCuda, jax_w4a8::Fp8EinsumCuda,
                                   .Ret<xla::ffi::AnyBuffer>()   // out
                                   .Ret<xla::ffi::AnyBuffer>()   // scratch (uint8, size from jax_w4a8.tiling)
                                   .Attr<int32_t>("tile_tokens")
-                                  .Attr<int32_t>("split_k"),
+                                  .Attr<int32_t>("split_k")
+                                  .Attr<int32_t>("kernel"),   // 0: tile_tokens picks; 1: CUTLASS blockwise
                               {xla::ffi::Traits::kCmdBufferCompatible});
