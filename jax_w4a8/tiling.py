@@ -70,8 +70,11 @@ products and one FMA per accumulator. The heuristic:
   shared_down (7168 x 2048) 2.08 / 2.09 / 1.32 / 1.40 / 1.88 / 1.64; q_a (12 tile columns) 0.70 / 0.89 /
   1.24 / 1.67 / 1.02 / 1.13; kv_a (5 tile columns) 0.80 / 0.80 / 0.97 / 1.23 / 1.50 / 1.09; per head, b =
   256 / 512 / 1024 / 4096: MLA absorb_q 1.76 / 2.79 / 2.98 / 3.00, absorb_o 1.21 / 1.17 / 1.39 / 1.37, V4
-  wo_a 1.16 / 1.26 / 1.40 / 1.32 (at b = 64, a half-empty 128-row tile: absorb_q 0.78, absorb_o 1.24,
-  wo_a 1.09). At M = 4096, N = K = 7168 it runs 1101-1300 TFLOP/s, about XLA's per-tensor fp8 GEMM.
+  wo_a 1.16 / 1.26 / 1.40 / 1.32. At 64 rows (a half-empty 128-row tile) it wins only with a full wave
+  of tiles and enough K per tile: V4 wo_a (128 tiles, K 4096) 1.09 and 1.42 (two runs; 36 us, 43% of copy
+  bandwidth), MLA absorb_o (128 tiles, K 512) 1.24, but absorb_q (K 128) 0.78, and with 56 tiles o_proj
+  0.88, square 0.98, q_a (12 tiles) 0.76; so from 64 rows the plan asks for 128 tiles and K >= 512.
+  At M = 4096, N = K = 7168 it runs 1101-1300 TFLOP/s, about XLA's per-tensor fp8 GEMM.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 
@@ -97,6 +100,7 @@ _SPARSE_BUSY = 0.9  # stream-K below this expected fraction of experts with rows
 EINSUM_KERNELS = ("native", "cutlass")  # index = the fp8 einsum handler's `kernel` attribute
 CUTLASS_MIN_TOKENS = 128  # the einsum plan takes CUTLASS's blockwise kernel from this many rows per head
 _CUTLASS_MIN_TILES = 32  # ... and this many 128 x 128 output tiles (it runs no split-K; H200: see docstring)
+_CUTLASS_WAVE_TILES = 128  # from 64 rows per head: with a full wave of tiles and K >= 512 (H200: see docstring)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -245,8 +249,8 @@ def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = Fals
     ``block_scaled``: one weight scale per 128 rows (recipe (1, 128, 128)); only then are 192-token
     tiles and the CUTLASS kernel available. ``tile_tokens=8`` is the decode kernel (M <= 32, no scratch).
     ``kernel``: None lets the plan choose (CUTLASS's blockwise kernel for block-scaled bf16 einsums with at
-    least ``CUTLASS_MIN_TOKENS`` rows per head and 32 output tiles, when built with it); "cutlass" or
-    "native" forces one.
+    least ``CUTLASS_MIN_TOKENS`` rows per head and 32 output tiles, or 64 rows with 128 tiles and K >= 512,
+    when built with it); "cutlass" or "native" forces one.
     ``cutlass``: whether the library has the CUTLASS kernel (default: ask the built library).
     Raises ValueError naming ``tile_tokens`` or ``kernel`` for a choice these shapes cannot run.
     """
@@ -255,7 +259,9 @@ def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = Fals
     if kernel == "cutlass" and tile_tokens is not None:
         raise ValueError("argument 'tile_tokens' selects this library's kernels; leave it None with kernel='cutlass'")
     tiles = h * -(-m // 128) * -(-n // 128)
-    if kernel is None and tile_tokens is None and block_scaled and m >= CUTLASS_MIN_TOKENS and tiles >= _CUTLASS_MIN_TILES:
+    wide = m >= CUTLASS_MIN_TOKENS and tiles >= _CUTLASS_MIN_TILES
+    wave = m >= 64 and tiles >= _CUTLASS_WAVE_TILES and k >= 512
+    if kernel is None and tile_tokens is None and block_scaled and (wide or wave):
         if cutlass is None:
             from . import _ffi  # noqa: PLC0415 - the plan is also used without the CUDA module
             cutlass = _ffi.built_with_cutlass()

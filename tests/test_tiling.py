@@ -119,13 +119,19 @@ def test_block_scaled_bf16_einsum_plans_cutlass_from_its_row_threshold():
     assert (p.kernel, p.tile_tokens, p.split_k) == ("cutlass", 128, 1)
     # scratch: float32 activation scales [H, G, ceil4(M)], then float32 weight scales [H, ceil(N/128), G]
     assert p.scratch_bytes == 56 * 4096 * 4 + -(-(56 * 56 * 4) // 256) * 256
-    assert plan(t - 1, h=3, block_scaled=True, cutlass=True).kernel == "native"
+    assert plan(t - 1, h=3, n=1536, block_scaled=True, cutlass=True).kernel == "native"  # 36 tiles
     q = plan(t + 1, h=3, n=1536, block_scaled=True, cutlass=True)  # 3 heads x 2 x 12 tiles
     assert q.kernel == "cutlass" and q.units == 3 * -(-(t + 1) // 128) * 12
     assert q.scratch_bytes == -(-(3 * 56 * (-(-(t + 1) // 4) * 4) * 4) // 256) * 256 + -(-(3 * 12 * 56 * 4) // 256) * 256
     # Too few tiles for the machine (it has no split-K): kv_a (5 tile columns) up to 768 rows stays native.
     assert plan(768, n=576, block_scaled=True, cutlass=True).kernel == "native"
     assert plan(1024, n=576, block_scaled=True, cutlass=True).kernel == "cutlass"
+    # From 64 rows: only with a full wave of tiles (128) and K >= 512 (V4 wo_a, MLA absorb_o; not absorb_q).
+    assert tiling.plan_fp8_einsum(64, 16, 1024, 4096, block_scaled=True, cutlass=True).kernel == "cutlass"
+    assert tiling.plan_fp8_einsum(64, 128, 128, 512, block_scaled=True, cutlass=True).kernel == "cutlass"
+    assert tiling.plan_fp8_einsum(64, 128, 512, 128, block_scaled=True, cutlass=True).kernel == "native"
+    assert tiling.plan_fp8_einsum(64, 1, 7168, 16384, block_scaled=True, cutlass=True).kernel == "native"
+    assert tiling.plan_fp8_einsum(63, 16, 1024, 4096, block_scaled=True, cutlass=True).kernel == "native"
     # Not taken (native plan instead): per-row weight scales, float32 output, N not a multiple of 8, not built.
     assert plan(4096, cutlass=True).kernel == "native"
     assert plan(4096, block_scaled=True, cutlass=True, out_bf16=False).kernel == "native"
