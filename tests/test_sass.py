@@ -141,3 +141,19 @@ def test_hot_loops_stay_within_their_spill_budget(kernels):
         loop = _innermost_mma_loop(body)
         spills = sum(1 for t in loop if re.search(r"\b(STL|LDL)\b", t))
         assert spills <= HOT_LOOP_SPILL_BUDGET.get(config, 0), (config, spills, len(loop))
+
+
+def test_cutlass_einsum_kernel_issues_fp8_wgmma_without_spills(functions):
+    """The fp8 einsum's CUTLASS kernel (recipe (1, 128, 128); present when built with CUTLASS): e4m3 wgmma
+    with 64 tokens x 128 weight rows per instruction, no local-memory traffic."""
+    from jax_w4a8 import _ffi
+
+    found = [body for name, body in functions if "GemmUniversal" in name and "Blockwise" in name]
+    if not _ffi.built_with_cutlass():
+        assert not found
+        pytest.skip("built without CUTLASS")
+    assert len(found) == 1
+    body = found[0]
+    assert "QGMMA.64x128x32.F32.E4M3.E4M3" in body
+    assert "HGMMA" not in body
+    assert not re.search(r"\b(STL|LDL)\b", body)

@@ -142,7 +142,7 @@ std::string CutlassBlockwiseUnsupported(int64_t m, int64_t h, int64_t n, int64_t
   if (n % 8) return "N must be a multiple of 8 (bf16 TMA store)";
   if (k % kGroup) return "K must be a multiple of 128";
   if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31) || h >= (int64_t{1} << 31) ||
-      h * k >= (int64_t{1} << 31) || h * n >= (int64_t{1} << 31))
+      h * k >= (int64_t{1} << 31) || h * n >= (int64_t{1} << 31) || Ceil4(m) * (k / kGroup) >= (int64_t{1} << 31))
     return "dimensions too large for 32-bit problem sizes";
   return {};
 }
