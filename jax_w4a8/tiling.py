@@ -228,8 +228,9 @@ def _cutlass_scratch(m: int, h: int, n: int, k: int) -> int:
     return -(-(h * g * (-(-m // 4) * 4) * 4) // 256) * 256 + -(-(h * -(-n // 128) * g * 4) // 256) * 256
 
 
-def cutlass_unsupported(n: int, *, block_scaled: bool, out_bf16: bool, built: bool) -> str:
-    """Empty when the CUTLASS kernel can run the einsum, else why not."""
+def cutlass_unsupported(m: int, h: int, n: int, k: int, *, block_scaled: bool, out_bf16: bool, built: bool) -> str:
+    """Empty when the CUTLASS kernel can run the einsum x [M, H, K], w [H, N, K], else why not
+    (the same checks as ``CutlassBlockwiseUnsupported`` in fp8_blockwise_cutlass.cu)."""
     if not built:
         return "the library was built without CUTLASS (pip install nvidia-cutlass, then rebuild)"
     if not block_scaled:
@@ -238,6 +239,8 @@ def cutlass_unsupported(n: int, *, block_scaled: bool, out_bf16: bool, built: bo
         return "it writes bfloat16 output only"
     if n % 8:
         return f"it needs N (output features) a multiple of 8, got {n}"
+    if max(m, h, n, k, -(-m // 4) * 4 * (k // 128)) >= 1 << 31:
+        return "its problem sizes are 32-bit (M, H, N, K and ceil4(M) x K/128 below 2**31)"
     return ""
 
 
@@ -265,13 +268,13 @@ def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = Fals
         if cutlass is None:
             from . import _ffi  # noqa: PLC0415 - the plan is also used without the CUDA module
             cutlass = _ffi.built_with_cutlass()
-        if not cutlass_unsupported(n, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass):
+        if not cutlass_unsupported(m, h, n, k, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass):
             kernel = "cutlass"
     if kernel == "cutlass":
         if cutlass is None:
             from . import _ffi  # noqa: PLC0415
             cutlass = _ffi.built_with_cutlass()
-        why = cutlass_unsupported(n, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass)
+        why = cutlass_unsupported(m, h, n, k, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass)
         if why:
             raise ValueError(f"argument 'kernel'='cutlass' cannot run this einsum: {why}")
         return GemmPlan(128, 1, _cutlass_scratch(m, h, n, k), tiles, kernel="cutlass")

@@ -307,7 +307,8 @@ def test_decode_kernel_on_gpu(rng, device, m, h, n, k, recipe, encoding, out_dty
     (130, 3, 264, 256, "e8m0fnu"),  # per-head form: CUTLASS batch mode over 3 heads
     (1, 1, 128, 128, "f32"),        # one token, one K block
     (513, 2, 512, 384, "codes"),
-    (1024, 1, 2048, 2048, "f32"),   # several K blocks per tile and full waves of tiles
+    (1024, 1, 2048, 2048, "f32"),   # several K blocks per tile (128 tiles: one partial wave)
+    (1100, 2, 1544, 512, "codes"),  # 9 x 13 x 2 = 234 tiles: blocks run several tiles, across heads
 ])
 def test_cutlass_kernel_on_gpu(rng, device, m, h, n, k, encoding):
     """kernel='cutlass' (CUTLASS's Hopper blockwise-scaled GEMM): every element near float64 (the output is
@@ -330,6 +331,23 @@ def test_cutlass_kernel_on_gpu(rng, device, m, h, n, k, encoding):
     other = run_poisoned(native, (m, h, n), jnp.bfloat16, args, device)
     assert np.abs(out - ref).max() <= 2 * np.abs(other - ref).max() + 1e-30
     np.testing.assert_array_equal(run_poisoned(fn, (m, h, n), jnp.bfloat16, args, device), out)
+
+
+@pytest.mark.gpu
+def test_linear_plan_takes_cutlass_on_gpu(rng, device):
+    """The default plan of a block-scaled bf16 linear with enough rows and tiles is CUTLASS's kernel."""
+    if device.platform != "gpu":
+        pytest.skip("the CUTLASS kernel exists on the CUDA handler only")
+    from jax_w4a8 import _ffi, tiling
+    if not _ffi.built_with_cutlass():
+        pytest.skip("built without CUTLASS")
+    m, n, k = 300, 4096, 512
+    assert tiling.plan_fp8_einsum(m, 1, n, k, block_scaled=True).kernel == "cutlass"
+    x8, sx, w8, sw = make_operands(rng, m, 1, n, k, "block", ue8m0=True)
+    out = run("md,nd->mn", (x8[:, 0], quant.encode_ue8m0(sx[:, 0]), w8[0], quant.encode_ue8m0(sw[0])), device, (m, n))
+    ref = np_ref.fp8_einsum_mhk(x8, sx, w8, sw)[:, 0]
+    assert np_ref.rel_err(out, ref) <= BF16_TOL
+    assert (np.abs(out - ref) <= 8e-3 * np.abs(ref).max(axis=-1, keepdims=True)).all()
 
 
 def test_cutlass_kernel_refuses_what_it_cannot_run(rng):

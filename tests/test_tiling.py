@@ -148,6 +148,11 @@ def test_block_scaled_bf16_einsum_plans_cutlass_from_its_row_threshold():
         plan(4096, block_scaled=True, cutlass=False, kernel="cutlass")
     with pytest.raises(ValueError, match="'tile_tokens'"):
         plan(4096, block_scaled=True, cutlass=True, kernel="cutlass", tile_tokens=128)
+    # 32-bit problem sizes: past them the plan keeps the native kernels; forced, a named error.
+    huge = dict(block_scaled=True, cutlass=True, num_sms=SMS)
+    assert tiling.plan_fp8_einsum(2**25, 1, 128, 128 * 64, **huge).kernel == "native"
+    with pytest.raises(ValueError, match="32-bit"):
+        tiling.plan_fp8_einsum(2**25, 1, 128, 128 * 64, kernel="cutlass", **huge)
     with pytest.raises(ValueError, match="'kernel'"):
         plan(4096, block_scaled=True, kernel="cublas")
 

@@ -15,6 +15,7 @@
 #include "fp8_blockwise_cutlass.cuh"
 
 #include <algorithm>
+#include <atomic>
 
 #include "../common/formats.h"
 #include "hopper_gemm.cuh"
@@ -32,6 +33,8 @@
 namespace jax_w4a8 {
 namespace {
 
+
+constexpr int kMaxDevices = 64;  // per-device caches; devices past it just skip the cache
 
 size_t Align256(size_t v) { return (v + 255) / 256 * 256; }
 int64_t Ceil4(int64_t v) { return (v + 3) / 4 * 4; }
@@ -91,17 +94,17 @@ using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, M
                                                     cutlass::gemm::PersistentScheduler>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-// Dynamic shared memory opt-in, once per device (the kernel needs about 212 KB).
+// Dynamic shared memory opt-in, once per device (the kernel needs about 212 KB; setting it twice is harmless).
 bool EnsureSmemOptIn() {
-  static bool done[64] = {};
+  static std::atomic<bool> done[kMaxDevices];
   int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0 || dev >= 64) return false;
-  if (done[dev]) return true;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
+  if (dev < kMaxDevices && done[dev].load(std::memory_order_acquire)) return true;
   const int smem = static_cast<int>(sizeof(typename Kernel::SharedStorage));
   if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
       cudaSuccess)
     return false;
-  done[dev] = true;
+  if (dev < kMaxDevices) done[dev].store(true, std::memory_order_release);
   return true;
 }
 
@@ -141,9 +144,10 @@ bool CutlassBlockwiseBuilt() { return true; }
 std::string CutlassBlockwiseUnsupported(int64_t m, int64_t h, int64_t n, int64_t k) {
   if (n % 8) return "N must be a multiple of 8 (bf16 TMA store)";
   if (k % kGroup) return "K must be a multiple of 128";
+  // The problem shape and the scale layouts' strides are int32 (the tensors' own strides are int64).
   if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31) || h >= (int64_t{1} << 31) ||
-      h * k >= (int64_t{1} << 31) || h * n >= (int64_t{1} << 31) || Ceil4(m) * (k / kGroup) >= (int64_t{1} << 31))
-    return "dimensions too large for 32-bit problem sizes";
+      Ceil4(m) * (k / kGroup) >= (int64_t{1} << 31))
+    return "dimensions too large for its 32-bit problem sizes";
   return {};
 }
 
@@ -164,16 +168,33 @@ bool LaunchCutlassBlockwise(const CutlassBlockwiseParams& p, cudaStream_t stream
   if (Gemm::get_workspace_size(args) != 0) { *why = "CUTLASS asks for a workspace"; return false; }
   if (!EnsureSmemOptIn()) { *why = "shared-memory opt-in failed"; return false; }
   auto params = Kernel::to_underlying_arguments(args, nullptr);
-  if (Gemm::run(params, stream) != cutlass::Status::kSuccess) {
-    *why = std::string("CUTLASS launch failed: ") + cudaGetErrorString(cudaGetLastError());
+  if (const cutlass::Status status = Gemm::run(params, stream); status != cutlass::Status::kSuccess) {
+    *why = std::string("CUTLASS launch failed: ") + cutlassGetStatusString(status);
     return false;
   }
   return true;
 }
 
+bool CutlassBlockwiseDeviceSupported() {
+  static std::atomic<int> known[kMaxDevices];  // 0: not asked yet, 1: sm_90, 2: another architecture
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
+  if (dev < kMaxDevices) {
+    if (const int v = known[dev].load(std::memory_order_relaxed); v != 0) return v == 1;
+  }
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
+    return false;
+  const bool ok = major == 9 && minor == 0;  // the kernel is built for sm_90a only
+  if (dev < kMaxDevices) known[dev].store(ok ? 1 : 2, std::memory_order_relaxed);
+  return ok;
+}
+
 #else  // built without CUTLASS headers
 
 bool CutlassBlockwiseBuilt() { return false; }
+bool CutlassBlockwiseDeviceSupported() { return false; }
 std::string CutlassBlockwiseUnsupported(int64_t, int64_t, int64_t, int64_t) {
   return "the library was built without CUTLASS (pip install nvidia-cutlass, then rebuild)";
 }
