@@ -272,8 +272,8 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
         with block-scaled weights (see :mod:`jax_w4a8.tiling`); 0 = plain CUDA-core kernel.
       kernel: the CUDA kernel family: None (the plan's choice), "native" (this library's kernels, tiles as
         ``tile_tokens``) or "cutlass" (CUTLASS's Hopper blockwise-scaled GEMM, 128 x 128 x 128 tiles: recipe
-        (1, 128, 128), bfloat16 output, N a multiple of 8; the plan's choice from
-        ``tiling.CUTLASS_MIN_TOKENS`` rows per head when the library was built with CUTLASS).
+        (1, 128, 128), bfloat16 output, N a multiple of 8; the plan's choice where its tiles fill the GPU,
+        see :func:`jax_w4a8.tiling.plan_fp8_einsum`, when the library was built with CUTLASS).
     """
     op = "fp8_einsum"
     rank = _parse_equation(equation)

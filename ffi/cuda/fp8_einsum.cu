@@ -5,9 +5,9 @@
 // fp8_blockwise_cutlass.cu (recipe (1, 128, 128), bf16 out; the prefill plan); with kernel 0, tile_tokens 8
 // is the decode kernel of fp8_decode_gemm.cu (M <= 32: warp MMAs, one launch, no scratch), 16 .. 192 the
 // TMA/wgmma kernel of hopper_gemm.cu. The simple CUDA-core kernel: a 16 x 64 tile per block and head,
-// float32 promotion per 128-K block
-// (both scales applied with an FMA after each block), one output rounding. UE8M0 codes are applied
-// as exact powers of two. Edges in M and N are masked; nothing outside the buffers is read.
+// float32 promotion per 128-K block (both scales applied with an FMA after each block), one output
+// rounding. UE8M0 codes are applied as exact powers of two. Edges in M and N are masked; nothing outside
+// the buffers is read.
 #include <cuda_runtime.h>
 
 #include <cstdint>
