@@ -274,6 +274,10 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
         ``tile_tokens``) or "cutlass" (CUTLASS's Hopper blockwise-scaled GEMM, 128 x 128 x 128 tiles: recipe
         (1, 128, 128), bfloat16 output, N a multiple of 8; the plan's choice where its tiles fill the GPU,
         see :func:`jax_w4a8.tiling.plan_fp8_einsum`, when the library was built with CUTLASS).
+    Raises:
+      TypeError / ValueError naming the argument, at trace time, before any kernel runs; for ``kernel``:
+      an unknown value, or "cutlass" with per-row weight scales, float32 output, N not a multiple of 8 or
+      a library built without CUTLASS.
     """
     op = "fp8_einsum"
     rank = _parse_equation(equation)

@@ -228,7 +228,7 @@ def _cutlass_scratch(m: int, h: int, n: int, k: int) -> int:
     return -(-(h * g * (-(-m // 4) * 4) * 4) // 256) * 256 + -(-(h * -(-n // 128) * g * 4) // 256) * 256
 
 
-def cutlass_unsupported(m: int, h: int, n: int, k: int, *, block_scaled: bool, out_bf16: bool, built: bool) -> str:
+def _cutlass_unsupported(m: int, h: int, n: int, k: int, *, block_scaled: bool, out_bf16: bool, built: bool) -> str:
     """Empty when the CUTLASS kernel can run the einsum x [M, H, K], w [H, N, K], else why not
     (the same checks as ``CutlassBlockwiseUnsupported`` in fp8_blockwise_cutlass.cu)."""
     if not built:
@@ -264,20 +264,15 @@ def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = Fals
     tiles = h * -(-m // 128) * -(-n // 128)
     wide = m >= CUTLASS_MIN_TOKENS and tiles >= _CUTLASS_MIN_TILES
     wave = m >= 64 and tiles >= _CUTLASS_WAVE_TILES and k >= 512
-    if kernel is None and tile_tokens is None and block_scaled and (wide or wave):
+    if kernel == "cutlass" or (kernel is None and tile_tokens is None and block_scaled and (wide or wave)):
         if cutlass is None:
             from . import _ffi  # noqa: PLC0415 - the plan is also used without the CUDA module
             cutlass = _ffi.built_with_cutlass()
-        if not cutlass_unsupported(m, h, n, k, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass):
-            kernel = "cutlass"
-    if kernel == "cutlass":
-        if cutlass is None:
-            from . import _ffi  # noqa: PLC0415
-            cutlass = _ffi.built_with_cutlass()
-        why = cutlass_unsupported(m, h, n, k, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass)
-        if why:
+        why = _cutlass_unsupported(m, h, n, k, block_scaled=block_scaled, out_bf16=out_bf16, built=cutlass)
+        if why and kernel == "cutlass":
             raise ValueError(f"argument 'kernel'='cutlass' cannot run this einsum: {why}")
-        return GemmPlan(128, 1, _cutlass_scratch(m, h, n, k), tiles, kernel="cutlass")
+        if not why:
+            return GemmPlan(128, 1, _cutlass_scratch(m, h, n, k), tiles, kernel="cutlass")
     if tile_tokens == 192 and not block_scaled:
         raise ValueError("argument 'tile_tokens'=192 needs block-scaled weights (recipe (1, 128, 128), "
                          "w_scale [.., ceil(N/128), K/128]); per-row weight scales run tiles up to 128")

@@ -51,3 +51,13 @@ def test_handlers_register_once():
     import importlib
     importlib.reload(jax_w4a8)  # a re-import must not re-register or change anything
     assert ffi._STATUS == before
+
+
+def test_built_with_cutlass_follows_the_cuda_module(monkeypatch):
+    # True only with the CUDA handlers loaded and CUTLASS compiled in (test_sass.py checks the kernel is
+    # really in the library then); a missing or disabled CUDA module means False.
+    import jax_w4a8._ffi as ffi
+    got = ffi.built_with_cutlass()
+    assert isinstance(got, bool)
+    monkeypatch.setitem(ffi._STATUS, "cuda", ffi.FfiAvailability("cuda", False, "disabled for the test"))
+    assert ffi.built_with_cutlass() is False

@@ -33,7 +33,6 @@
 namespace jax_w4a8 {
 namespace {
 
-
 constexpr int kMaxDevices = 64;  // per-device caches; devices past it just skip the cache
 
 size_t Align256(size_t v) { return (v + 255) / 256 * 256; }

@@ -36,7 +36,6 @@ namespace cg = cooperative_groups;
 constexpr int kRows = 16;       // weight rows per warp (the MMA's M)
 constexpr int kMaxWarps = 4;    // warps per block
 constexpr int kMaxCluster = 8;  // portable cluster size
-constexpr int kGroup = 128;
 
 // How a launch spreads the work (PlanFp8Decode).
 struct Fp8DecodeLaunch {
