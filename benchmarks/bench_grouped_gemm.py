@@ -49,9 +49,10 @@ def run(args):
     import jax
     import jax.numpy as jnp
 
-    from jax_w4a8 import ops, tiling
+    from jax_w4a8 import _ffi, ops, tiling
 
     rng = np.random.default_rng(0)
+    cutlass_built = _ffi.built_with_cutlass()
     bw, bw_detail = C.copy_bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s {({k: round(v / 1e12, 2) for k, v in bw_detail.items()})}", flush=True)
     floor = C.harness_floor()
@@ -77,8 +78,9 @@ def run(args):
             xs = jax.random.uniform(jax.random.fold_in(key, m + 1), (m, g), jnp.float32, 0.5, 1.5)
             plan = tiling.plan_grouped_gemm(m, E, n, k)
             ours = jax.jit(ops.w4a8_grouped_gemm)
-            r = dict(shape=shape, M=m, routing=routing, N=n, K=k,
-                     plan=f"t{plan.tile_tokens}/s{plan.split_k}" + ("/f16" if plan.mma == "f16" else ""))
+            label = ("cutlass" if plan.kernel == "cutlass" else
+                     f"t{plan.tile_tokens}/s{plan.split_k}" + ("/f16" if plan.mma == "f16" else ""))
+            r = dict(shape=shape, M=m, routing=routing, N=n, K=k, plan=label)
             t = C.bench(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)])
             got = ours(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
             simple = ops.w4a8_grouped_gemm(x8, xs, w4[0], ws[0], sizes, tile_tokens=0).astype(jnp.float32)
@@ -90,6 +92,10 @@ def run(args):
                 if alt != plan.tile_tokens:
                     f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, tile_tokens=alt))
                     r[f"t{alt}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
+            if m >= 2048 and cutlass_built:  # the other kernel family at prefill sizes (the plan's CUTLASS rule)
+                other = "native" if plan.kernel == "cutlass" else "cutlass"
+                f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, kernel=other))
+                r[f"kernel_{other}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
             if plan.tile_tokens in (16, 32):  # the other tensor-core operand format at this tile
                 other = "e4m3" if plan.mma == "f16" else "f16"
                 f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, mma=other))
@@ -190,12 +196,18 @@ def mma_times(r):
     return {k[4:-3]: v for k, v in r.items() if re.fullmatch(r"mma_[a-z0-9]+_us", k)}
 
 
+def kernel_times(r):
+    """The other kernel family timed for row ``r`` (prefill sizes): {"native": us} or {"cutlass": us}."""
+    return {k[7:-3]: v for k, v in r.items() if re.fullmatch(r"kernel_[a-z]+_us", k)}
+
+
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
     fused = (f" | fused up {r['fused_up_us']:.0f} us vs unfused {r['unfused_up_us']:.0f} us"
              if "fused_up_us" in r else "")
     tiles = "".join(f" | {k} {v:.0f} us" for k, v in tile_times(r).items())
     tiles += "".join(f" | {k} MMA {v:.0f} us" for k, v in mma_times(r).items())
+    tiles += "".join(f" | {k} kernel {v:.0f} us" for k, v in kernel_times(r).items())
     return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
             f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}{tiles}")
@@ -204,7 +216,7 @@ def fmt_row(r):
 def report(payload, out):
     rows = payload["rows"]
     cols = (["shape", "M", "routing", "plan", "us", "TFLOP/s", "weight GB/s", "% copy BW"] + [f"vs {p}" for p in PEERS]
-            + ["fused up-proj us (unfused)", "other token tiles us", "other MMA us"])
+            + ["fused up-proj us (unfused)", "other token tiles us", "other MMA us", "other kernel us"])
     md = []
     for r in rows:
         d = {"shape": r["shape"], "M": r["M"], "routing": r["routing"], "plan": r["plan"],
@@ -217,13 +229,16 @@ def report(payload, out):
             d["fused up-proj us (unfused)"] = f"{r['fused_up_us']:.0f} ({r['unfused_up_us']:.0f})"
         d["other token tiles us"] = " ".join(f"{k}: {v:.0f}" for k, v in tile_times(r).items())
         d["other MMA us"] = " ".join(f"{k}: {v:.0f}" for k, v in mma_times(r).items())
+        d["other kernel us"] = " ".join(f"{k}: {v:.0f}" for k, v in kernel_times(r).items())
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
             f"`{payload.get('command', 'python benchmarks/bench_grouped_gemm.py')}`; copy bandwidth "
             f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; `vs X` is X's time over ours (higher is better for "
-            "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`; other token tiles: the same call "
-            "forced to another tile (the heuristic's alternatives); other MMA: the same call with the other "
-            "tensor-core operand format (`mma=`, token tiles 16 and 32)."
+            "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`, or `cutlass` (int4 weights "
+            "converted to e4m3 once per call, then CUTLASS's grouped FP8 GEMM; the time includes the conversion); "
+            "other token tiles: the same call forced to another tile (the heuristic's alternatives); other MMA: the "
+            "same call with the other tensor-core operand format (`mma=`, token tiles 16 and 32); other kernel: the "
+            "same call on the other kernel family (`kernel=`, M >= 2048)."
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
                "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
                "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")

@@ -22,6 +22,7 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8QuantizeFp8Groups));
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxW4a8MoeUpCuda);  // CUDA only: other platforms compose unfused ops
 namespace jax_w4a8 {
 bool CutlassBlockwiseBuilt();  // ffi/cuda/fp8_blockwise_cutlass.cu
+bool W4a8CutlassBuilt();       // ffi/cuda/w4a8_grouped_cutlass.cu
 }
 #endif
 
@@ -48,6 +49,6 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
   });
 #if defined(JAX_W4A8_CUDA)
   // Whether the fp8 einsum's CUTLASS prefill kernel was compiled in (jax_w4a8.tiling plans it only then).
-  m.def("built_with_cutlass", []() { return jax_w4a8::CutlassBlockwiseBuilt(); });
+  m.def("built_with_cutlass", []() { return jax_w4a8::CutlassBlockwiseBuilt() && jax_w4a8::W4a8CutlassBuilt(); });
 #endif
 }

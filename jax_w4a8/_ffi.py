@@ -74,8 +74,8 @@ def ffi_available(platform: str = "cuda") -> FfiAvailability:
 
 
 def built_with_cutlass() -> bool:
-    """Whether the CUDA handlers were built with CUTLASS (the fp8 einsum's prefill kernel for recipe
-    (1, 128, 128)); False when the CUDA module is missing or disabled."""
+    """Whether the CUDA handlers were built with CUTLASS (the prefill kernels: the fp8 einsum's for recipe
+    (1, 128, 128) and the W4A8 grouped GEMM's); False when the CUDA module is missing or disabled."""
     if not _STATUS["cuda"]:
         return False
     module = importlib.import_module(f"jax_w4a8._lib.{_MODULES['cuda'][0]}")

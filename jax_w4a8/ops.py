@@ -89,7 +89,7 @@ def _dispatch(impl, cpu_fn, cuda_fn, ref_fn, *args, default=None):
 # W4A8 grouped GEMM
 # ----------------------------------------------------------------------------------------------
 def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bfloat16, impl="auto",
-                      rows_per_expert=None, tile_tokens=None, mma=None):
+                      rows_per_expert=None, tile_tokens=None, mma=None, kernel=None):
     """MoE grouped GEMM with int4 weights and fp8 activations (SPEC 4.1).
 
     ``out[m, n] = sum_g sa(m, g) * sw(e(m), n, g) * sum_{k in g} x[m, k] * q[e(m), n, k]`` in float32,
@@ -109,7 +109,11 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
       impl: "auto", "ffi" or "reference" (module docstring).
       rows_per_expert: optional hint of the expected rows per expert (default M / E) for the CUDA
         tile choice; tile_tokens: force a token tile (16, 32, 64, 128, or 0 for the plain CUDA-core
-        kernel); mma: force the tensor-core operand format, "e4m3" or "f16" (token tiles 16, 32).
+        kernel); mma: force the tensor-core operand format, "e4m3" or "f16" (token tiles 16, 32);
+        kernel: None (the plan chooses), "native" (this library's kernels) or "cutlass" (prefill: the
+        int4 weights of experts with rows converted to e4m3 once per call, exactly, then CUTLASS's
+        grouped FP8 GEMM with per-row scales; bfloat16 output, N a multiple of 8; its scratch holds up
+        to ``tiling.CUTLASS_WEIGHT_SCRATCH_BYTES`` of converted weights at a time).
         See :mod:`jax_w4a8.tiling`. None of these changes the result beyond float32 summation order.
     Returns:
       out_dtype [M, N].
@@ -146,7 +150,7 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
               f"got shape {x_scale.shape}")
 
     plan = tiling.plan_grouped_gemm(m, e, n, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens,
-                                    mma=mma)
+                                    mma=mma, kernel=kernel, out_bf16=out_dtype == jnp.bfloat16)
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
 
     def cpu_fn(*args):
@@ -157,7 +161,9 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
                                 (out_type, jax.ShapeDtypeStruct((plan.scratch_bytes,), jnp.uint8)),
                                 vmap_method="sequential")
         return call(*args, tile_tokens=np.int32(plan.tile_tokens), split_k=np.int32(plan.split_k),
-                    mma=np.int32(tiling.MMAS.index(plan.mma)))[0]
+                    mma=np.int32(tiling.MMAS.index(plan.mma)),
+                    kernel=np.int32(tiling.GROUPED_KERNELS.index(plan.kernel)),
+                    experts_per_chunk=np.int32(plan.experts_per_chunk))[0]
 
     ref_fn = functools.partial(reference.w4a8_grouped_gemm, out_dtype=out_dtype)
     return _dispatch(impl, cpu_fn, cuda_fn, ref_fn, x, x_scale, w, w_scale, group_sizes)

@@ -194,8 +194,13 @@ def is_ue8m0_exact(x):
 # FP8
 # ----------------------------------------------------------------------------------------------
 def _to_fp8(y):
-    """Saturating round-to-nearest-even cast of float32 to e4m3 (NaN stays NaN)."""
-    return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(_FP8)
+    """Saturating round-to-nearest-even cast of float32 to e4m3 (NaN stays NaN).
+
+    The e4m3 array goes through an optimization barrier: XLA's GPU compiler otherwise removes a
+    ``f32 -> e4m3 -> f32`` round trip inside one jit (its ``simplify-fp-conversions`` pass, on while
+    ``xla_allow_excess_precision`` is, the default), so a quantize-dequantize would silently not quantize.
+    """
+    return jax.lax.optimization_barrier(jnp.clip(y, -FP8_MAX, FP8_MAX).astype(_FP8))
 
 
 def _fp8_scale(amax, ue8m0: bool):

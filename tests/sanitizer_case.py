@@ -60,6 +60,18 @@ def main() -> int:
         out = jax.jit(lambda *a: ops.fp8_einsum("bhr,hdr->bhd", *a, impl="ffi", kernel="cutlass"))(
             a8, enc(sa), w8, enc(sw))
         ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.fp8_einsum_mhk(a8, sa, w8, sw)) <= 4e-3
+    # the grouped GEMM's CUTLASS path: hostile sizes, an empty call, bf16 weight scales, per-token x_scale, chunks
+    from jax_w4a8 import tiling
+    w, ws = quant.quantize_w4(rng.standard_normal((3, 72, 256)).astype(np.float32))
+    for sizes, chunk_bytes in (([10, 0, 30], 1 << 30), ([-4, 2**31 - 1, 9], 72 * 256), ([0, 0, 0], 1 << 30)):
+        tiling.CUTLASS_WEIGHT_SCRATCH_BYTES = chunk_bytes  # 72 * 256: one expert per conversion
+        for xsc, wsc in ((xs, ws), (jnp.asarray(rng.uniform(0.5, 1.5, 45), jnp.float32), ws.astype(jnp.bfloat16))):
+            args = (x8, xsc, w, wsc, jnp.asarray(sizes, jnp.int32))
+            out = jax.jit(lambda *a: ops.w4a8_grouped_gemm(*a, impl="ffi", kernel="cutlass"))(*args)
+            ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3
+            covered = min(sum(max(v, 0) for v in sizes), 45)
+            ok &= bool((np.asarray(out.astype(jnp.float32))[covered:] == 0).all())
+    tiling.CUTLASS_WEIGHT_SCRATCH_BYTES = 1 << 30
     for tok in (16, 64):  # the fused up-projection: w13 [E, 2I, K/2] with I = 128
         w13, s13 = quant.quantize_w4(rng.standard_normal((3, 256, 256)).astype(np.float32))
         args = (x8, xs, w13, s13, jnp.asarray([10, 0, 30], jnp.int32))

@@ -190,6 +190,22 @@ def test_quantize_fp8_groups(rng, ue8m0):
     assert (np.abs(deq - x.reshape(5, 3, 128))[mask] <= np.abs(x.reshape(5, 3, 128))[mask] * 2.0 ** -4 + 1e-30).all()
 
 
+def test_quantize_dequantize_inside_jit_really_quantizes(rng, device):
+    """A quantize-dequantize round trip in one jit keeps the e4m3 rounding on every backend (XLA's GPU
+    compiler drops f32 -> e4m3 -> f32 conversion pairs unless the quantizer stops it)."""
+    x = (rng.standard_normal((4, 256)) * 3).astype(np.float32)
+
+    def round_trip(a):
+        x8, s = quant.quantize_fp8_groups(a)
+        return (x8.astype(jnp.float32).reshape(4, 2, 128) * s[..., None]).reshape(a.shape), s
+
+    got, s = jax.jit(round_trip)(jax.device_put(x, device))
+    s = np.asarray(s)
+    ref = (_e4m3(x.reshape(4, 2, 128) / s[..., None]).astype(np.float32) * s[..., None]).reshape(x.shape)
+    np.testing.assert_array_equal(np.asarray(got), ref)
+    assert not np.array_equal(np.asarray(got), x)  # it did round
+
+
 def test_fp8_saturates_never_nan():
     x = np.array([1e6, -1e6, 447.9, 448.0, 464.0, 1e-9], np.float32)
     q = np.asarray(quant.quantize_fp8_tensor(x, np.float32(1.0))).astype(np.float32)

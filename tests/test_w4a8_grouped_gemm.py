@@ -254,3 +254,89 @@ def test_mma_option_is_checked(rng):
         ops.w4a8_grouped_gemm(**a, mma="int8")
     with pytest.raises(ValueError, match="'mma'"):
         ops.w4a8_grouped_gemm(**a, mma="f16", tile_tokens=128)
+
+
+# ------------------------------------------------------------------------------------ CUTLASS path
+def _need_cutlass_gpu(device):
+    if device.platform != "gpu":
+        pytest.skip("the CUTLASS path exists on the CUDA handler only")
+    from jax_w4a8 import _ffi
+    if not _ffi.built_with_cutlass():
+        pytest.skip("built without CUTLASS")
+
+
+CUTLASS_CASES = dict(SCENARIOS, **{
+    "hostile": (37, 128, 40, [2**31 - 1, -2**31, 7]),
+    "multi-tile": (1500, 1024, 520, [700, 0, 1, 129, 300, 0, 250]),  # partial M and N tiles, one-row expert
+})
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("chunk", [None, 1, 2])
+@pytest.mark.parametrize("scenario", sorted(CUTLASS_CASES))
+def test_cutlass_kernel_on_gpu(rng, device, scenario, chunk, monkeypatch):
+    """kernel='cutlass' (int4 weights converted to e4m3, CUTLASS's grouped FP8 GEMM): every scale encoding,
+    every element near float64 (the output is poisoned), padding rows 0, no worse than this library's
+    128-token kernel on the same data, two calls bitwise equal; chunk = experts per weight conversion
+    (None: the plan's, usually all)."""
+    _need_cutlass_gpu(device)
+    from jax_w4a8 import tiling
+    m, k, n, sizes = CUTLASS_CASES[scenario]
+    if chunk is not None:
+        monkeypatch.setattr(tiling, "CUTLASS_WEIGHT_SCRATCH_BYTES", chunk * n * k)
+        assert tiling.plan_grouped_gemm(m, len(sizes), n, k, kernel="cutlass").experts_per_chunk == min(chunk, len(sizes))
+    for scale_kind, w_scale_dtype in (("group", jnp.float32), ("token", jnp.bfloat16), ("tensor", jnp.float32)):
+        args = make_case(rng, m, k, n, sizes, scale_kind, w_scale_dtype)
+        fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", kernel="cutlass")
+        out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
+        ref = check(args, out, jnp.bfloat16)
+        bad = ~(np.abs(out - ref) <= 8e-3 * np.abs(ref).max(axis=-1, keepdims=True))
+        assert not bad.any(), f"{scale_kind}: {bad.sum()} elements off"
+        covered = min(sum(max(s, 0) for s in sizes), m)
+        assert (out[covered:] == 0).all()
+        native = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", kernel="native", tile_tokens=128)
+        other = run_poisoned(native, (m, n), jnp.bfloat16, args, device)
+        assert np.abs(out - ref).max() <= 2 * np.abs(other - ref).max() + 1e-30
+        np.testing.assert_array_equal(run_poisoned(fn, (m, n), jnp.bfloat16, args, device), out)
+
+
+@pytest.mark.gpu
+def test_cutlass_fp16_overflow_regression(device):
+    """sglang issue 8493 through the CUTLASS path: outputs far beyond 65504 come back finite and right."""
+    _need_cutlass_gpu(device)
+    m, k, n = 8, 256, 16
+    q = np.full((2, n, k), 7, np.int8)
+    q[1, ::2] = -8
+    args = (jnp.full((m, k), 448.0, jnp.float8_e4m3fn), jnp.full((m, k // 128), 2.0, jnp.float32), quant.pack_int4(q),
+            jnp.full((2, n, k // 128), 0.5, jnp.float32), jnp.array([4, 4], jnp.int32))
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", kernel="cutlass")
+    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
+    ref = check(args, out, jnp.bfloat16)
+    assert np.abs(ref).max() > 65504 * 10 and np.isfinite(out).all()
+
+
+@pytest.mark.gpu
+def test_prefill_plan_takes_cutlass_on_gpu(rng, device):
+    """The default plan at prefill (>= CUTLASS_GROUPED_MIN_ROWS rows per expert) is the CUTLASS path, and
+    group sizes change without recompiling."""
+    _need_cutlass_gpu(device)
+    from jax_w4a8 import tiling
+    m, k, n, e = 1024, 512, 256, 4
+    assert tiling.plan_grouped_gemm(m, e, n, k).kernel == "cutlass"
+    args = list(make_case(rng, m, k, n, [256] * e))
+    args = [jax.device_put(a, device) for a in args]
+    f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, impl="ffi"))
+    for sizes in ([256] * e, [1024, 0, 0, 0], [0, 1000, 3, 0]):
+        args[4] = jax.device_put(jnp.asarray(sizes, jnp.int32), device)
+        check(args, np.asarray(f(*args).astype(jnp.float32)), jnp.bfloat16)
+    assert f._cache_size() == 1
+
+
+def test_cutlass_option_is_checked(rng):
+    a = _good(rng)
+    with pytest.raises(ValueError, match="'kernel'"):
+        ops.w4a8_grouped_gemm(**a, kernel="triton")
+    with pytest.raises(ValueError, match="'kernel'='cutlass'"):
+        ops.w4a8_grouped_gemm(**a, kernel="cutlass", out_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="'tile_tokens'"):
+        ops.w4a8_grouped_gemm(**a, kernel="cutlass", tile_tokens=128)

@@ -14,6 +14,7 @@
 #include "../common/groups.h"
 #include "hopper_gemm.cuh"
 #include "simple_tile.cuh"
+#include "w4a8_grouped_cutlass.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_w4a8 {
@@ -145,14 +146,30 @@ ffi::Error LaunchSimple(cudaStream_t stream, const GroupedGemmDims& d, const ffi
 ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale,
                                ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch,
-                               int32_t tile_tokens, int32_t split_k, int32_t mma) {
+                               int32_t tile_tokens, int32_t split_k, int32_t mma, int32_t kernel,
+                               int32_t experts_per_chunk) {
   GroupedGemmDims d;
   if (auto err = CheckGroupedGemm(x, x_scale, w, w_scale, group_sizes, *out, &d); err.failure())
     return err;
   if (split_k < 1 || split_k > d.groups) return Invalid("w4a8_grouped_gemm", "split_k must be in [1, K/128]");
   if (mma != 0 && mma != 1) return Invalid("w4a8_grouped_gemm", "mma must be 0 (e4m3) or 1 (f16)");
+  if (kernel != 0 && kernel != 1) return Invalid("w4a8_grouped_gemm", "kernel must be 0 (native) or 1 (cutlass)");
   if (d.m == 0) return ffi::Error::Success();
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
+  if (kernel == 1) {  // CUTLASS's grouped FP8 GEMM on e4m3-converted weights (w4a8_grouped_cutlass.cu)
+    if (!d.out_bf16) return Invalid("w4a8_grouped_gemm", "the CUTLASS kernel writes bfloat16 output only");
+    if (const std::string u = W4a8CutlassUnsupported(d.m, d.e, d.n, d.k, experts_per_chunk); !u.empty())
+      return Invalid("w4a8_grouped_gemm", "kernel 'cutlass': " + u);
+    if (!W4a8CutlassDeviceSupported()) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
+    W4a8CutlassParams p{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const float*>(x_scale.untyped_data()),
+                        static_cast<int>(d.x_scale_kind), static_cast<const int8_t*>(w.untyped_data()),
+                        w_scale.untyped_data(), d.w_scale_bf16, static_cast<const int32_t*>(group_sizes.untyped_data()),
+                        out->untyped_data(), d.m, d.n, d.k, d.e, experts_per_chunk, scratch->untyped_data(),
+                        scratch->size_bytes()};
+    std::string why;
+    if (!LaunchW4a8Cutlass(p, stream, &why)) return ffi::Error::Internal("w4a8_grouped_gemm: " + why);
+    return ffi::Error::Success();
+  }
 
   HopperGemmParams p = GroupedInt4Params(d, x, w, w_scale, group_sizes, out->untyped_data(), d.n, tile_tokens,
                                          split_k);
@@ -193,5 +210,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8GroupedGemmCuda, jax_w4a8::W4a8GroupedGemmC
                                   .Ret<xla::ffi::AnyBuffer>()   // scratch (uint8, size from jax_w4a8.tiling)
                                   .Attr<int32_t>("tile_tokens")
                                   .Attr<int32_t>("split_k")
-                                  .Attr<int32_t>("mma"),  // 0: e4m3 MMA, 1: f16 MMA
+                                  .Attr<int32_t>("mma")  // 0: e4m3 MMA, 1: f16 MMA
+                                  .Attr<int32_t>("kernel")  // 0: this library's kernels, 1: CUTLASS (prefill)
+                                  .Attr<int32_t>("experts_per_chunk"),  // CUTLASS: experts per weight conversion
                               {xla::ffi::Traits::kCmdBufferCompatible});
