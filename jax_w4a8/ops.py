@@ -149,8 +149,11 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         _fail(op, "x_scale", f"must be a scalar, [M]={(m,)} or [M, K/128]={(m, k // 128)}, "
               f"got shape {x_scale.shape}")
 
-    plan = tiling.plan_grouped_gemm(m, e, n, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens,
-                                    mma=mma, kernel=kernel, out_bf16=out_dtype == jnp.bfloat16)
+    try:
+        plan = tiling.plan_grouped_gemm(m, e, n, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens,
+                                        mma=mma, kernel=kernel, out_bf16=out_dtype == jnp.bfloat16)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
 
     def cpu_fn(*args):

@@ -190,6 +190,7 @@ GROUPED_KERNELS = ("native", "cutlass")  # index = the grouped GEMM handler's `k
 # library's kernel has few K groups per tile to spread its fixed costs over), else 384 (H200: see docstring).
 CUTLASS_GROUPED_MIN_ROWS = {2048: 256, None: 384}
 CUTLASS_WEIGHT_SCRATCH_BYTES = 1 << 30  # e4m3 weights converted per chunk of experts (at least one expert)
+_MAX_CHUNK_EXPERTS = 65535  # the conversion kernels put a chunk's experts on the grid's y axis
 _ARRAY_BYTES_PER_EXPERT = 256  # w4a8_grouped_cutlass.cuh kW4a8CutlassArrayBytesPerExpert
 _CUTLASS_WORKSPACE_BYTES = 1 << 20  # ... kW4a8CutlassWorkspaceBytes
 
@@ -207,6 +208,17 @@ def grouped_cutlass_scratch(m: int, e: int, n: int, k: int, experts_per_chunk: i
             + _align256(e * _ARRAY_BYTES_PER_EXPERT) + _CUTLASS_WORKSPACE_BYTES)
 
 
+def _gpu_is_sm90() -> bool:
+    """Whether the first GPU is a Hopper sm_90 (the CUTLASS kernels' only target); True without a GPU (the
+    CUDA handlers then never run, so the plan's choice does not matter)."""
+    try:
+        dev = jax.devices("gpu")[0]
+    except RuntimeError:
+        return True
+    cc = getattr(dev, "compute_capability", None)
+    return cc is None or str(cc) == "9.0"
+
+
 def cutlass_grouped_min_rows(k: int) -> int:
     """Expected rows per expert from which the grouped GEMM plan takes the CUTLASS path (``CUTLASS_GROUPED_MIN_ROWS``)."""
     return next(v for bound, v in CUTLASS_GROUPED_MIN_ROWS.items() if bound is None or k <= bound)
@@ -220,6 +232,8 @@ def _grouped_cutlass_unsupported(m: int, e: int, n: int, k: int, *, out_bf16: bo
         return "it writes bfloat16 output only"
     if n % 8:
         return f"it needs N (output features) a multiple of 8, got {n}"
+    if k % 128:
+        return f"it needs K a multiple of 128, got {k}"
     if max(m, e, n, k) >= 1 << 31:
         return "its problem sizes are 32-bit (M, E, N and K below 2**31)"
     return ""
@@ -234,7 +248,7 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     ``mma`` None picks the operand format from the tile (module docstring); "e4m3" or "f16" forces it.
     ``kernel``: None lets the plan choose (the CUTLASS path for bfloat16 output from
     :func:`cutlass_grouped_min_rows` expected rows per expert, when built with it); "cutlass" or "native"
-    forces one. ``cutlass``: whether the library has the CUTLASS kernels (default: ask the built library).
+    forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
     Raises ValueError naming ``tile_tokens``, ``mma`` or ``kernel`` (unknown value; "f16" with a tile other
     than 16 or 32; a kernel choice these shapes cannot run).
     """
@@ -246,14 +260,15 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     rows = rows_per_expert if rows_per_expert is not None else m / e
     if kernel == "cutlass" or (kernel is None and tile_tokens is None and mma is None
                                and rows >= cutlass_grouped_min_rows(k)):
-        if cutlass is None:
+        if cutlass is None:  # built with it, and a GPU that runs it (else the handler falls back to its plain
+            # kernel: no need for the conversion's scratch)
             from . import _ffi  # noqa: PLC0415 - the plan is also used without the CUDA module
-            cutlass = _ffi.built_with_cutlass()
+            cutlass = _ffi.built_with_cutlass() and _gpu_is_sm90()
         why = _grouped_cutlass_unsupported(m, e, n, k, out_bf16=out_bf16, built=cutlass)
         if why and kernel == "cutlass":
             raise ValueError(f"argument 'kernel'='cutlass' cannot run this grouped GEMM: {why}")
         if not why:
-            chunk = max(1, min(e, CUTLASS_WEIGHT_SCRATCH_BYTES // (n * k)))
+            chunk = max(1, min(e, CUTLASS_WEIGHT_SCRATCH_BYTES // (n * k), _MAX_CHUNK_EXPERTS))
             scratch = grouped_cutlass_scratch(m, e, n, k, chunk)
             units = e * max(1, math.ceil(rows / 128)) * math.ceil(n / 128)
             return GemmPlan(128, 1, scratch, units, kernel="cutlass", experts_per_chunk=chunk)

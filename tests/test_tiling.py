@@ -220,6 +220,8 @@ def test_grouped_gemm_plans_cutlass_from_its_row_threshold():
     assert p.scratch_bytes == tiling.grouped_cutlass_scratch(16384, 32, 4096, 7168, 32)
     # 256 experts of gate+up: chunks of 36 experts (1 GiB / 29.4 MB)
     assert plan(8 * 16384, 256, 4096, 7168).experts_per_chunk == 36
+    # a chunk's experts sit on the conversion grid's y axis: at most 65535 per chunk
+    assert plan(70000 * 256, 70000, 8, 128).experts_per_chunk == 65535
     # the scratch: e4m3 weights, float32 weight and activation scales, 256 B per expert, 1 MiB of workspace
     g = 7168 // 128
     assert tiling.grouped_cutlass_scratch(16384, 32, 4096, 7168, 32) == (

@@ -61,6 +61,16 @@ ScratchLayout LayoutOf(int64_t m, int64_t e, int64_t n, int64_t k, int64_t chunk
   return s;
 }
 
+}  // namespace
+
+size_t W4a8CutlassScratchBytes(int64_t m, int64_t e, int64_t n, int64_t k, int64_t experts_per_chunk) {
+  return LayoutOf(m, e, n, k, experts_per_chunk).total;
+}
+
+#if defined(JAX_W4A8_HAS_CUTLASS)
+namespace {
+using namespace cute;
+
 // int4 codes (two's complement nibbles) -> e4m3 bytes by table lookup: four codes in the low 16 bits give
 // four bytes. Codes 0..7 and 8..15 (-8..-1) each index an 8-byte table with PRMT; a third PRMT picks the
 // table per byte from the code's bit 3.
@@ -124,15 +134,6 @@ __global__ void ZeroPaddingRows(const int64_t* __restrict__ total, int64_t m, in
     out[i] = make_uint4(0, 0, 0, 0);
 }
 
-}  // namespace
-
-size_t W4a8CutlassScratchBytes(int64_t m, int64_t e, int64_t n, int64_t k, int64_t experts_per_chunk) {
-  return LayoutOf(m, e, n, k, experts_per_chunk).total;
-}
-
-#if defined(JAX_W4A8_HAS_CUTLASS)
-namespace {
-using namespace cute;
 
 using ElementA = cutlass::float_e4m3_t;
 using ElementB = cutlass::float_e4m3_t;
@@ -284,7 +285,9 @@ bool W4a8CutlassBuilt() { return true; }
 std::string W4a8CutlassUnsupported(int64_t m, int64_t e, int64_t n, int64_t k, int64_t experts_per_chunk) {
   if (n % 8) return "N must be a multiple of 8 (bf16 TMA store)";
   if (k % kGroup) return "K must be a multiple of 128";
-  if (experts_per_chunk < 1 || experts_per_chunk > e) return "experts_per_chunk must be in [1, E]";
+  // The conversion kernels put a chunk's experts on the grid's y axis (at most 65535).
+  if (experts_per_chunk < 1 || experts_per_chunk > e || experts_per_chunk > 65535)
+    return "experts_per_chunk must be in [1, min(E, 65535)]";
   // Problem sizes and CUTLASS's group strides are int32.
   if (m >= (int64_t{1} << 31) || n >= (int64_t{1} << 31) || k >= (int64_t{1} << 31) || e >= (int64_t{1} << 31))
     return "dimensions too large for its 32-bit problem sizes";
