@@ -8,9 +8,9 @@
 // bfloat16 w_scale).
 //
 // Tiles of 128 tokens x 128 weight rows x 128 K, two consumer warpgroups, no clusters (H200, same probe:
-// 1 x 2 clusters no faster; the pingpong schedule 4x slower). Nothing is synchronised with the host: a one-block kernel turns group_sizes (clamped like
-// every kernel here, common/groups.h) into the per-expert problem sizes, pointers and strides CUTLASS's
-// group scheduler reads on the device; experts without rows get an empty problem and no conversion; rows
+// 1 x 2 clusters no faster; the pingpong schedule 4x slower). Nothing is synchronised with the host: a
+// one-block kernel turns group_sizes (clamped like every kernel here, common/groups.h) into the per-expert
+// problem sizes, pointers and strides CUTLASS's group scheduler reads on the device; experts without rows get an empty problem and no conversion; rows
 // past the clamped total are zeroed. The e4m3 weights take E x N x K bytes of scratch, so experts are run
 // in chunks of `experts_per_chunk` (jax_w4a8.tiling bounds the scratch), one conversion + GEMM each.
 #include "w4a8_grouped_cutlass.cuh"
