@@ -271,6 +271,37 @@ def test_mla_attention_matches_numpy(rng):
     np.testing.assert_allclose(got, np.einsum("bhts,bshd->bthd", p, v), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("latent", [False, True])
+def test_attention_in_query_blocks_is_the_same(rng, monkeypatch, latent):
+    """Long prompts attend in query blocks (bounded score memory): forced here to blocks of 2 and 3 queries of
+    T = 7 (a padded last block), against the one-block result and float64 numpy."""
+    b, t, s, h, dn, dr, dv = 2, 7, 9, 3, 4, 2, 6
+    qn, qp = rng.standard_normal((b, t, h, dn)), rng.standard_normal((b, t, h, dr))
+    kn, kp, v = rng.standard_normal((b, s, h, dn)), rng.standard_normal((b, s, dr)), rng.standard_normal((b, s, h, dv))
+    mask = rng.random((b, t, s)) < 0.7
+    mask[..., 0] = True
+    mask[1, 3] = False  # a query that may attend nothing: uniform weights, like the one-block path
+    if latent:  # q_lat . c_kv with c_kv playing keys and values ([B, S, R], R = dn)
+        args = [jnp.asarray(a, jnp.float32) for a in (qn, qp, kn[:, :, 0], kp)]
+        fn = lambda *a: layers.mla_latent_attention(*a, jnp.asarray(mask), 0.37)  # noqa: E731
+    else:
+        args = [jnp.asarray(a, jnp.float32) for a in (qn, qp, kn, kp, v)]
+        fn = lambda *a: layers.mla_attention(*a, jnp.asarray(mask), 0.37)  # noqa: E731
+    whole = np.asarray(jax.jit(fn)(*args))
+    for queries in (2, 3):
+        monkeypatch.setattr(layers, "ATTENTION_SCORE_BYTES", queries * b * h * s * 4)
+        got = np.asarray(jax.jit(fn)(*args))
+        assert got.shape == whole.shape
+        np.testing.assert_allclose(got, whole, rtol=1e-6, atol=1e-6)
+    sc = np.einsum("bthd,bsd->bhts" if latent else "bthd,bshd->bhts", qn, kn[:, :, 0] if latent else kn)
+    sc = (sc + np.einsum("bthr,bsr->bhts", qp, kp)) * 0.37
+    sc = np.where(mask[:, None], sc, -1e300)
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = np.einsum("bhts,bsd->bthd", p, kn[:, :, 0]) if latent else np.einsum("bhts,bshd->bthd", p, v)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------------------------
 # Linear formats
 # ----------------------------------------------------------------------------------------------
@@ -371,10 +402,12 @@ def test_experts_match_row_loop(rng, kind, act):
     if act == "none":
         assert rel(got, ref) < 1e-5
     else:
-        # fp32 vs fp64 values of silu(gate) * up can round to neighbouring fp8 codes (each such flip moves one
-        # row by ~1e-3); most rows are exact to fp32 accuracy.
+        # fp32 vs fp64 values of silu(gate) * up, and XLA's x * (1 / s) for SPEC's x / s, can round to
+        # neighbouring fp8 codes: a flip in h moves one row by ~1e-3, one in x (through the gate's SiLU and the
+        # second quantization) by up to ~3e-2, which alone took the whole-output error to 4.6e-3 (seed 199 of a
+        # 1600-seed scan; worst 6.1e-3). Most rows are exact to fp32 accuracy (worst scan 94%): the real check.
         row_rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
-        assert rel(got, ref) < 1e-3 and np.mean(row_rel < 1e-5) > 0.75, (rel(got, ref), row_rel)
+        assert rel(got, ref) < 2e-2 and np.mean(row_rel < 1e-5) > 0.75, (rel(got, ref), row_rel)
 
 
 def test_experts_bf16_output_and_w4_dims():

@@ -179,11 +179,38 @@ def route(x, weight, bias, *, n_group: int, topk_group: int, top_k: int, norm_to
     return ids.astype(jnp.int32), weights * routed_scaling_factor
 
 
+# Long prompts are attended block by block over the queries so that one block's float32 scores
+# (B x H x block x S) stay within this many bytes; each query row's softmax is whole either way, so the
+# result is the same. 8 GiB keeps 4096-token prefill at DeepSeek-V3 widths (128 heads) in one block.
+ATTENTION_SCORE_BYTES = 8 << 30
+
+
+def _over_query_blocks(fn, queries, mask, heads: int):
+    """``fn(*queries, mask)`` for queries [B, T, ...] and mask [B, T, S], T cut into blocks (``lax.map``, one
+    block live at a time) when all of it would hold more than ``ATTENTION_SCORE_BYTES`` of float32 scores.
+    Pad query rows (T rounded up to the block) attend nothing and are dropped."""
+    b, t, s = mask.shape
+    per_query = b * heads * s * 4
+    block = max(1, ATTENTION_SCORE_BYTES // per_query)
+    if block >= t:
+        return fn(*queries, mask)
+    nb = -(-t // block)
+    pad = nb * block - t
+
+    def split(a, fill):
+        a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
+        return jnp.moveaxis(a.reshape(b, nb, block, *a.shape[2:]), 1, 0)
+
+    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(q, 0) for q in queries) + (split(mask, False),))
+    return jnp.moveaxis(out, 0, 1).reshape(b, nb * block, *out.shape[3:])[:, :t]
+
+
 def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float):
     """Multi-head attention over expanded MLA keys (transformers' eager path, not absorbed).
 
     ``score = (q_nope . k_nope + q_pe . k_pe) * scale`` in fp32 (``k_pe`` is one head shared by all
-    heads), masked, softmax in fp32, rounded to ``v.dtype``, times ``v``.
+    heads), masked, softmax in fp32, rounded to ``v.dtype``, times ``v``. Long prompts run in query blocks
+    (``ATTENTION_SCORE_BYTES``), the same result with bounded memory.
 
     Args:
       q_nope: [B, T, H, dn]; q_pe: [B, T, H, dr] (roped); k_nope: [B, S, H, dn]; k_pe: [B, S, dr] (roped);
@@ -192,11 +219,15 @@ def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float):
       v.dtype [B, T, H, dv].
     """
     prec = _precision(v.dtype)
-    s = jnp.einsum("bthd,bshd->bhts", q_nope, k_nope, preferred_element_type=F32, precision=prec)
-    s = s + jnp.einsum("bthr,bsr->bhts", q_pe, k_pe, preferred_element_type=F32, precision=prec)
-    s = jnp.where(mask[:, None], s * scale, jnp.finfo(F32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-    return jnp.einsum("bhts,bshd->bthd", p, v, preferred_element_type=F32, precision=prec).astype(v.dtype)
+
+    def block(qn, qp, m):
+        s = jnp.einsum("bthd,bshd->bhts", qn, k_nope, preferred_element_type=F32, precision=prec)
+        s = s + jnp.einsum("bthr,bsr->bhts", qp, k_pe, preferred_element_type=F32, precision=prec)
+        s = jnp.where(m[:, None], s * scale, jnp.finfo(F32).min)
+        p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+        return jnp.einsum("bhts,bshd->bthd", p, v, preferred_element_type=F32, precision=prec).astype(v.dtype)
+
+    return _over_query_blocks(block, (q_nope, q_pe), mask, q_nope.shape[2])
 
 
 def _einsum_f32(equation, a, b, dtype):
@@ -231,11 +262,15 @@ def mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, scale: float):
     """
     dtype = q_lat.dtype
     c_kv, k_pe = c_kv.astype(dtype), k_pe.astype(dtype)
-    s = _einsum_f32("bthr,bsr->bhts", q_lat, c_kv, dtype) + _einsum_f32("bthr,bsr->bhts", q_pe.astype(dtype), k_pe,
-                                                                       dtype)
-    s = jnp.where(mask[:, None], s * scale, jnp.finfo(F32).min)
-    p = jax.nn.softmax(s, axis=-1).astype(dtype)
-    return jnp.swapaxes(_einsum_f32("bhts,bsr->bhtr", p, c_kv, dtype).astype(dtype), 1, 2)
+
+    def block(ql, qp, m):
+        s = _einsum_f32("bthr,bsr->bhts", ql, c_kv, dtype) + _einsum_f32("bthr,bsr->bhts", qp.astype(dtype), k_pe,
+                                                                         dtype)
+        s = jnp.where(m[:, None], s * scale, jnp.finfo(F32).min)
+        p = jax.nn.softmax(s, axis=-1).astype(dtype)
+        return jnp.swapaxes(_einsum_f32("bhts,bsr->bhtr", p, c_kv, dtype).astype(dtype), 1, 2)
+
+    return _over_query_blocks(block, (q_lat, q_pe), mask, q_lat.shape[2])
 
 
 def silu_mul(gate, up, dtype):
