@@ -118,7 +118,9 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
     Returns:
       out_dtype [M, N].
     Raises:
-      TypeError / ValueError naming the argument, at trace time, before any kernel runs.
+      TypeError / ValueError naming the argument, at trace time, before any kernel runs; for ``kernel``:
+      an unknown value, or "cutlass" together with ``tile_tokens`` / ``mma``, float32 output, N not a
+      multiple of 8, a library built without CUTLASS or a GPU other than sm_90.
     """
     op = "w4a8_grouped_gemm"
     _check_impl(op, impl)

@@ -312,7 +312,7 @@ def _cutlass_scratch(m: int, h: int, n: int, k: int) -> int:
     """Scratch of the CUTLASS kernel (fp8_blockwise_cutlass.cuh): float32 activation scales [H, G, ceil4(M)],
     then float32 weight scales [H, ceil(N/128), G] (used when they come as UE8M0 codes)."""
     g = k // 128
-    return -(-(h * g * (-(-m // 4) * 4) * 4) // 256) * 256 + -(-(h * -(-n // 128) * g * 4) // 256) * 256
+    return _align256(h * g * (-(-m // 4) * 4) * 4) + _align256(h * -(-n // 128) * g * 4)
 
 
 def _cutlass_unsupported(m: int, h: int, n: int, k: int, *, block_scaled: bool, out_bf16: bool, built: bool) -> str:

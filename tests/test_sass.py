@@ -143,13 +143,12 @@ def test_hot_loops_stay_within_their_spill_budget(kernels):
         assert spills <= HOT_LOOP_SPILL_BUDGET.get(config, 0), (config, spills, len(loop))
 
 
-def test_cutlass_einsum_kernel_issues_fp8_wgmma_without_spills(functions):
-    """The fp8 einsum's CUTLASS kernel (recipe (1, 128, 128); present when built with CUTLASS): e4m3 wgmma
-    with 64 tokens x 128 weight rows per instruction, no local-memory traffic."""
+def _check_cutlass_fp8_kernel(functions, is_it):
+    """The one CUTLASS kernel whose mangled name passes ``is_it`` (none when built without CUTLASS: skip):
+    e4m3 wgmma with 64 tokens x 128 weight rows per instruction, no local-memory traffic."""
     from jax_w4a8 import _ffi
 
-    found = [body for name, body in functions
-             if "GemmUniversal" in name and "Blockwise" in name and "GroupProblemShape" not in name]
+    found = [body for name, body in functions if "GemmUniversal" in name and is_it(name)]
     if not _ffi.built_with_cutlass():
         assert not found
         pytest.skip("built without CUTLASS")
@@ -158,21 +157,16 @@ def test_cutlass_einsum_kernel_issues_fp8_wgmma_without_spills(functions):
     assert "QGMMA.64x128x32.F32.E4M3.E4M3" in body
     assert "HGMMA" not in body
     assert not re.search(r"\b(STL|LDL)\b", body)
+
+
+def test_cutlass_einsum_kernel_issues_fp8_wgmma_without_spills(functions):
+    """The fp8 einsum's CUTLASS kernel (recipe (1, 128, 128); present when built with CUTLASS)."""
+    _check_cutlass_fp8_kernel(functions, lambda name: "Blockwise" in name and "GroupProblemShape" not in name)
 
 
 def test_cutlass_grouped_kernel_issues_fp8_wgmma_without_spills(functions):
-    """The W4A8 grouped GEMM's CUTLASS kernel (grouped problem shapes, per-row scales): e4m3 wgmma with 64
-    tokens x 128 weight rows per instruction, no local-memory traffic; and the int4 -> e4m3 conversion."""
-    from jax_w4a8 import _ffi
-
-    found = [body for name, body in functions if "GemmUniversal" in name and "GroupProblemShape" in name]
-    if not _ffi.built_with_cutlass():
-        assert not found
-        pytest.skip("built without CUTLASS")
-    assert len(found) == 1
-    body = found[0]
-    assert "QGMMA.64x128x32.F32.E4M3.E4M3" in body
-    assert "HGMMA" not in body
-    assert not re.search(r"\b(STL|LDL)\b", body)
+    """The W4A8 grouped GEMM's CUTLASS kernel (grouped problem shapes, per-row scales); and the int4 -> e4m3
+    conversion."""
+    _check_cutlass_fp8_kernel(functions, lambda name: "GroupProblemShape" in name)
     convert = [body for name, body in functions if "ConvertInt4ToE4m3" in name]
     assert len(convert) == 1 and "PRMT" in convert[0]

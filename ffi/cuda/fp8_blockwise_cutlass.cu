@@ -15,7 +15,6 @@
 #include "fp8_blockwise_cutlass.cuh"
 
 #include <algorithm>
-#include <atomic>
 
 #include "../common/formats.h"
 #include "hopper_gemm.cuh"
@@ -23,6 +22,7 @@
 #if defined(JAX_W4A8_HAS_CUTLASS)
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass_smem.cuh"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -33,7 +33,6 @@
 namespace jax_w4a8 {
 namespace {
 
-constexpr int kMaxDevices = 64;  // per-device caches; devices past it just skip the cache
 
 size_t Align256(size_t v) { return (v + 255) / 256 * 256; }
 int64_t Ceil4(int64_t v) { return (v + 3) / 4 * 4; }
@@ -93,20 +92,6 @@ using Kernel = cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, M
                                                     cutlass::gemm::PersistentScheduler>;
 using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
 
-// Dynamic shared memory opt-in, once per device (the kernel needs about 212 KB; setting it twice is harmless).
-bool EnsureSmemOptIn() {
-  static std::atomic<bool> done[kMaxDevices];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
-  if (dev < kMaxDevices && done[dev].load(std::memory_order_acquire)) return true;
-  const int smem = static_cast<int>(sizeof(typename Kernel::SharedStorage));
-  if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess)
-    return false;
-  if (dev < kMaxDevices) done[dev].store(true, std::memory_order_release);
-  return true;
-}
-
 typename Gemm::Arguments MakeArguments(const CutlassBlockwiseParams& p, const float* sfa, const float* sfb) {
   const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k), l = static_cast<int>(p.h);
   const int g = k / kGroup, mp = static_cast<int>(Ceil4(p.m));
@@ -165,7 +150,7 @@ bool LaunchCutlassBlockwise(const CutlassBlockwiseParams& p, cudaStream_t stream
   const auto args = MakeArguments(p, sfa, sfb ? sfb : static_cast<const float*>(p.w_scale));
   if (Gemm::can_implement(args) != cutlass::Status::kSuccess) { *why = "CUTLASS cannot implement these shapes"; return false; }
   if (Gemm::get_workspace_size(args) != 0) { *why = "CUTLASS asks for a workspace"; return false; }
-  if (!EnsureSmemOptIn()) { *why = "shared-memory opt-in failed"; return false; }
+  if (!EnsureCutlassSmemOptIn<Kernel>()) { *why = "shared-memory opt-in failed"; return false; }
   auto params = Kernel::to_underlying_arguments(args, nullptr);
   if (const cutlass::Status status = Gemm::run(params, stream); status != cutlass::Status::kSuccess) {
     *why = std::string("CUTLASS launch failed: ") + cutlassGetStatusString(status);
@@ -174,26 +159,9 @@ bool LaunchCutlassBlockwise(const CutlassBlockwiseParams& p, cudaStream_t stream
   return true;
 }
 
-bool CutlassBlockwiseDeviceSupported() {
-  static std::atomic<int> known[kMaxDevices];  // 0: not asked yet, 1: sm_90, 2: another architecture
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
-  if (dev < kMaxDevices) {
-    if (const int v = known[dev].load(std::memory_order_relaxed); v != 0) return v == 1;
-  }
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return false;
-  const bool ok = major == 9 && minor == 0;  // the kernel is built for sm_90a only
-  if (dev < kMaxDevices) known[dev].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
-}
-
 #else  // built without CUTLASS headers
 
 bool CutlassBlockwiseBuilt() { return false; }
-bool CutlassBlockwiseDeviceSupported() { return false; }
 std::string CutlassBlockwiseUnsupported(int64_t, int64_t, int64_t, int64_t) {
   return "the library was built without CUTLASS (pip install nvidia-cutlass, then rebuild)";
 }

@@ -25,10 +25,6 @@ struct CutlassBlockwiseParams {
 // Whether the library was built with CUTLASS (else the launch below refuses).
 bool CutlassBlockwiseBuilt();
 
-// Whether the current device runs the kernel (sm_90: it is compiled for sm_90a only); the handler falls back
-// to the plain CUDA-core kernel otherwise, like this library's Hopper kernel.
-bool CutlassBlockwiseDeviceSupported();
-
 // Scratch: activation scales as float32 [H, G, ceil4(M)] (M fastest, CUTLASS's MN-major layout), then the
 // weight scales as float32 [H, ceil(N/128), G] when given as UE8M0 codes; each region 256-byte aligned.
 // jax_w4a8.tiling mirrors this.

@@ -115,7 +115,7 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
       return Invalid("fp8_einsum", "the CUTLASS kernel needs recipe (1, 128, 128) and bfloat16 output");
     if (std::string u = CutlassBlockwiseUnsupported(d.m, d.h, d.n, d.k); !u.empty())
       return Invalid("fp8_einsum", "the CUTLASS kernel cannot run these shapes: " + u);
-    if (!CutlassBlockwiseDeviceSupported()) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
+    if (!CurrentDeviceIsSm90()) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
     const CutlassBlockwiseParams p{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
                                    static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(),
                                    out->untyped_data(), d.m, d.h, d.n, d.k, d.x_scale_ue8m0, d.w_scale_ue8m0,

@@ -1245,6 +1245,11 @@ cudaError_t LaunchFusedUp(const HopperGemmParams& p, cudaStream_t stream, const 
 
 int CurrentSmCount() { return CurrentDevice().sms; }
 
+bool CurrentDeviceIsSm90() {
+  const DeviceInfo dev = CurrentDevice();
+  return dev.major == 9 && dev.minor == 0;
+}
+
 bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   const DeviceInfo dev = CurrentDevice();
   if (dev.major != 9) { *why = "not a Hopper (sm_90) device"; return false; }

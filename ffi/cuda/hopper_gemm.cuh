@@ -62,6 +62,10 @@ struct HopperGemmParams {
 // The current device's SM count (cached per device, as the launches below use it).
 int CurrentSmCount();
 
+// Whether the current device is an sm_90 Hopper (cached per device): the CUTLASS kernels, compiled for sm_90a
+// only, run there; their handlers fall back to the plain CUDA-core kernels elsewhere.
+bool CurrentDeviceIsSm90();
+
 // Whether the current device and these shapes can take the tensor-core kernel (else use the simple one).
 bool HopperGemmSupported(const HopperGemmParams& p, const char** why);
 

@@ -16,7 +16,6 @@
 #include "w4a8_grouped_cutlass.cuh"
 
 #include <algorithm>
-#include <atomic>
 
 #include "../common/formats.h"
 #include "../common/groups.h"
@@ -25,6 +24,7 @@
 #if defined(JAX_W4A8_HAS_CUTLASS)
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
+#include "cutlass_smem.cuh"
 #include "cutlass/epilogue/collective/collective_builder.hpp"
 #include "cutlass/gemm/collective/collective_builder.hpp"
 #include "cutlass/gemm/device/gemm_universal_adapter.h"
@@ -36,7 +36,6 @@
 namespace jax_w4a8 {
 namespace {
 
-constexpr int kMaxDevices = 64;
 size_t Align256(size_t v) { return (v + 255) / 256 * 256; }
 
 struct ScratchLayout {
@@ -265,19 +264,6 @@ __global__ void __launch_bounds__(1024) PrepareGroups(PrepareArgs a) {
   }
 }
 
-bool EnsureSmemOptIn() {
-  static std::atomic<bool> done[kMaxDevices];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
-  if (dev < kMaxDevices && done[dev].load(std::memory_order_acquire)) return true;
-  const int smem = static_cast<int>(sizeof(typename Kernel::SharedStorage));
-  if (cudaFuncSetAttribute(cutlass::device_kernel<Kernel>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) !=
-      cudaSuccess)
-    return false;
-  if (dev < kMaxDevices) done[dev].store(true, std::memory_order_release);
-  return true;
-}
-
 }  // namespace
 
 bool W4a8CutlassBuilt() { return true; }
@@ -301,10 +287,12 @@ bool LaunchW4a8Cutlass(const W4a8CutlassParams& p, cudaStream_t stream, std::str
   }
   const ScratchLayout s = LayoutOf(p.m, p.e, p.n, p.k, p.experts_per_chunk);
   if (p.scratch_bytes < s.total) { *why = "scratch output too small for the CUTLASS plan"; return false; }
-  if (!EnsureSmemOptIn()) { *why = "shared-memory opt-in failed"; return false; }
+  if (!EnsureCutlassSmemOptIn<Kernel>()) { *why = "shared-memory opt-in failed"; return false; }
   auto* base = static_cast<uint8_t*>(p.scratch);
   const int64_t g = p.k / kGroup, chunk = p.experts_per_chunk;
   const int sms = CurrentSmCount();
+  int dev = 0;
+  cudaGetDevice(&dev);
   uint8_t* w8 = base + s.w8;
   float* sfb = reinterpret_cast<float*>(base + s.sfb);
   float* sfa = reinterpret_cast<float*>(base + s.sfa);
@@ -344,8 +332,6 @@ bool LaunchW4a8Cutlass(const W4a8CutlassParams& p, cudaStream_t stream, std::str
         {{}, nullptr, arrays.stride_d + e0, arrays.d + e0, arrays.stride_d + e0}};
     args.epilogue.thread.alpha = 1.0f;
     args.epilogue.thread.beta = 0.0f;
-    int dev = 0;
-    cudaGetDevice(&dev);
     args.hw_info.device_id = dev;
     args.hw_info.sm_count = sms;
     args.scheduler.max_swizzle_size = 1;
@@ -363,26 +349,9 @@ bool LaunchW4a8Cutlass(const W4a8CutlassParams& p, cudaStream_t stream, std::str
   return true;
 }
 
-bool W4a8CutlassDeviceSupported() {
-  static std::atomic<int> known[kMaxDevices];
-  int dev = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return false;
-  if (dev < kMaxDevices) {
-    if (const int v = known[dev].load(std::memory_order_relaxed); v != 0) return v == 1;
-  }
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev) != cudaSuccess)
-    return false;
-  const bool ok = major == 9 && minor == 0;
-  if (dev < kMaxDevices) known[dev].store(ok ? 1 : 2, std::memory_order_relaxed);
-  return ok;
-}
-
 #else  // built without CUTLASS headers
 
 bool W4a8CutlassBuilt() { return false; }
-bool W4a8CutlassDeviceSupported() { return false; }
 std::string W4a8CutlassUnsupported(int64_t, int64_t, int64_t, int64_t, int64_t) {
   return "the library was built without CUTLASS (pip install nvidia-cutlass, then rebuild)";
 }

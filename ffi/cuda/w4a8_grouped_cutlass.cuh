@@ -28,7 +28,6 @@ struct W4a8CutlassParams {
 };
 
 bool W4a8CutlassBuilt();
-bool W4a8CutlassDeviceSupported();  // sm_90 (the kernel is compiled for sm_90a only)
 
 // Scratch, each region 256-byte aligned: e4m3 weights [chunk, N, K]; float32 weight scales [chunk, K/128, N];
 // float32 activation scales [M x K/128] (per expert [K/128, rows]); the per-expert argument arrays

@@ -160,7 +160,7 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
     if (!d.out_bf16) return Invalid("w4a8_grouped_gemm", "the CUTLASS kernel writes bfloat16 output only");
     if (const std::string u = W4a8CutlassUnsupported(d.m, d.e, d.n, d.k, experts_per_chunk); !u.empty())
       return Invalid("w4a8_grouped_gemm", "kernel 'cutlass': " + u);
-    if (!W4a8CutlassDeviceSupported()) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
+    if (!CurrentDeviceIsSm90()) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
     W4a8CutlassParams p{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const float*>(x_scale.untyped_data()),
                         static_cast<int>(d.x_scale_kind), static_cast<const int8_t*>(w.untyped_data()),
                         w_scale.untyped_data(), d.w_scale_bf16, static_cast<const int32_t*>(group_sizes.untyped_data()),
