@@ -60,6 +60,8 @@ products and one FMA per accumulator. The heuristic:
   18.3 / 24.7, MLA absorb_q 11.1 / 11.8 vs 17.6 / 12.3, absorb_o 14.3 / 16.9 vs 22.6 / 17.1, V4
   wo_a 38.7 / 36.5 vs 39.1 / 38.7. At 16 tokens it mostly lost (its MMA runs as f16 HMMA on
   sm_90, four times the instructions per weight byte at two token tiles): the plan stops at 8.
+  Blocks have four warps, or two where four would need more warps than fit on the GPU at once and two
+  fit (one wave): q_a 15.6 vs 19.6 us, MLA absorb_o 13.5 vs 15.4, V4 wo_a 31.5 vs 33.6 at one token.
 * ``kernel="cutlass"`` (einsum, recipe (1, 128, 128), bfloat16 output, N a multiple of 8): CUTLASS 4.2's
   Hopper FP8 blockwise-scaled GEMM (``ffi/cuda/fp8_blockwise_cutlass.cu``; 128 x 128 x 128 tiles, tokens on
   the MMA's A side in two consumer warpgroups, 1 x 2 clusters, a persistent scheduler, no split-K). The plan

@@ -304,10 +304,18 @@ cudaError_t Launch(const Fp8DecodeParams& p, const Fp8DecodeLaunch& plan, cudaSt
 // cluster 8 10.3 vs 4 13.7; q_a, 96 tiles: 8 17.6 vs 4 20.1), not once they fill the SMs (o_proj, 448
 // tiles: 1 48.4, 2 51.3, 4 57.3; 7168 x 2048: 1 12.5 vs 2 17.4); one K group per tile (MLA absorb_q,
 // 4096 tiles) needs whole tiles per warp (11.1 vs 21.9 with a one-warp block per tile).
+// Two-warp blocks: where the 4-warp plan has more warps than fit on the GPU at once (16 per SM at up to 8
+// tokens: 128 registers) and the 2-warp plan fits, two warps per block run it in one wave. H200, same
+// process, us at 1 / 8 tokens, 4-warp vs 2-warp blocks: q_a (96 tiles, cluster 8) 18.8 / 19.1 vs 14.0 /
+// 14.4, V4 wo_a (1024 tiles) 32.4 / 35.0 vs 31.6 / 29.3; where the 4-warp plan fits, the 2-warp one (a
+// doubled cluster, or half the warps) lost: o_proj 44.4 vs 65.5, square 23.0 vs 33.6, 7168 x 2048 14.5 vs
+// 16.0, kv_a 9.9 vs 12.0 (one token). This rule against the former plan, means of two rounds, 1 / 8 tokens:
+// q_a 15.6 / 15.1 vs 19.6 / 18.0, wo_a 31.5 / 31.4 vs 33.6 / 33.3, MLA absorb_o (1024 tiles of 4 groups)
+// 13.5 / 13.4 vs 15.4 / 15.5; unchanged plans moved by up to 15% between rounds.
 Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, int sms) {
   const int64_t tiles = h * ((n + kRows - 1) / kRows);
   const int nt = m <= 8 ? 1 : m <= 16 ? 2 : 4;
-  const int64_t resident = static_cast<int64_t>(sms) * (nt == 1 ? 4 : 2);  // blocks that fit (registers)
+  const int64_t resident = static_cast<int64_t>(sms) * (nt == 1 ? 4 : 2);  // 4-warp blocks that fit (registers)
   Fp8DecodeLaunch plan{kMaxWarps, 1, false, 0};
   plan.warps = static_cast<int>(std::min<int64_t>(kMaxWarps, std::max<int64_t>(groups, 1)));
   if (plan.warps < kMaxWarps && tiles > resident) {  // few K groups, many tiles: one wave walks whole tiles
@@ -317,9 +325,20 @@ Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, i
     return plan;
   }
   // Split K over a cluster while the warps are fewer than 12 per SM, at least one K group per warp.
-  while (plan.cluster < kMaxCluster && tiles * plan.cluster * plan.warps < 12LL * sms &&
-         2 * plan.cluster * plan.warps <= groups)
-    plan.cluster *= 2;
+  auto cluster_for = [&](int warps) {
+    int c = 1;
+    while (c < kMaxCluster && tiles * c * warps < 12LL * sms && 2 * c * warps <= groups) c *= 2;
+    return c;
+  };
+  plan.cluster = cluster_for(plan.warps);
+  if (nt == 1 && plan.warps == kMaxWarps) {
+    const int64_t fit = 16LL * sms;  // warps resident at once
+    const int c2 = cluster_for(2);
+    if (tiles * plan.cluster * kMaxWarps > fit && tiles * c2 * 2 <= fit) {
+      plan.warps = 2;
+      plan.cluster = c2;
+    }
+  }
   plan.blocks = static_cast<int>(tiles * plan.cluster);
   return plan;
 }
