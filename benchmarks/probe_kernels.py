@@ -3,7 +3,8 @@
     python benchmarks/probe_kernels.py prefill   # einsum M=4096 square, grouped GEMM at 4k / 16k rows
     python benchmarks/probe_kernels.py decode    # grouped GEMM and fused up-projection at 64 .. 4096 rows
     python benchmarks/probe_kernels.py small     # latency-bound einsums: kv_a / q_a at 1 and 64 tokens, MLA
-                                                 # absorb (128 heads) at b = 1 and 64, each next to XLA bf16
+                                                 # absorb (128 heads) and V4 wo_a (16 heads) at b = 1 and 64,
+                                                 # each next to XLA bf16
 
 32 experts of one EP8 shard of R1 (gate+up N=4096 K=7168, down N=7168 K=2048), plan defaults, random data;
 each line ends in a checksum, so two builds can be compared for identical results as well as for speed.
@@ -84,7 +85,8 @@ def small(key):
     from jax_w4a8 import quant
 
     cases = (("kv_a", "md,nd->mn", 576, 7168, None), ("q_a", "md,nd->mn", 1536, 7168, None),
-             ("absorb_q", "bhr,hdr->bhd", 512, 128, 128), ("absorb_o", "bhr,hdr->bhd", 128, 512, 128))
+             ("absorb_q", "bhr,hdr->bhd", 512, 128, 128), ("absorb_o", "bhr,hdr->bhd", 128, 512, 128),
+             ("v4_wo_a", "bhr,hdr->bhd", 1024, 4096, 16))
     for name, eq, n, k, h in cases:
         for m in (1, 64):
             sets, bf_sets = [], []
