@@ -449,15 +449,19 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
             return quant.quantize_fp8_groups(h, ue8m0=True)
         return quantize_fp8_groups(h, ue8m0=True, impl=ffi_impl)
 
-    # Validation of every other argument happens here, at trace time.
+    # Validation of every other argument happens here, at trace time; the plan options are checked on every
+    # path, also where the fused kernel does not run.
     jax.eval_shape(lambda: unfused("reference"))
+    m, k = x.shape
+    e = w13.shape[0]
+    try:
+        plan = tiling.plan_moe_up(m, e, inter, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens)
+    except ValueError as exc:
+        raise ValueError(f"{op}: {exc}") from None
     if impl == "reference":
         return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale)
     if inter % 128 or not _fused_up_supported(w13.shape[0]):
         return unfused(impl)
-    m, k = x.shape
-    e = w13.shape[0]
-    plan = tiling.plan_moe_up(m, e, inter, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens)
     x_scale = jnp.asarray(x_scale)
     if x_scale.size == 1 and x_scale.ndim <= 1:
         x_scale = x_scale.reshape(1)

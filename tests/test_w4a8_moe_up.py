@@ -82,3 +82,7 @@ def test_bad_inputs(rng):
         ops.w4a8_moe_up(*args, down_input_scale=np.ones(3, np.float32))
     with pytest.raises(TypeError, match="'x'"):
         ops.w4a8_moe_up(args[0].astype(jnp.bfloat16), *args[1:])
+    with pytest.raises(ValueError, match="'tile_tokens'"):  # checked on every path, fused kernel or not
+        ops.w4a8_moe_up(*args, tile_tokens=128)
+    with pytest.raises(ValueError, match="'tile_tokens'"):
+        ops.w4a8_moe_up(*args, tile_tokens=128, impl="reference")
