@@ -460,7 +460,7 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
         raise ValueError(f"{op}: {exc}") from None
     if impl == "reference":
         return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale)
-    if inter % 128 or not _fused_up_supported(w13.shape[0]):
+    if inter % 128 or not _fused_up_supported(e):
         return unfused(impl)
     x_scale = jnp.asarray(x_scale)
     if x_scale.size == 1 and x_scale.ndim <= 1:
