@@ -64,7 +64,8 @@ products and one FMA per accumulator. The heuristic:
   fit (one wave): q_a 15.6 vs 19.6 us, MLA absorb_o 13.5 vs 15.4, V4 wo_a 31.5 vs 33.6 at one token.
 * ``kernel="cutlass"`` (einsum, recipe (1, 128, 128), bfloat16 output, N a multiple of 8): CUTLASS 4.2's
   Hopper FP8 blockwise-scaled GEMM (``ffi/cuda/fp8_blockwise_cutlass.cu``; 128 x 128 x 128 tiles, tokens on
-  the MMA's A side in two consumer warpgroups, 1 x 2 clusters, a persistent scheduler, no split-K). The plan
+  the MMA's A side in two consumer warpgroups, no clusters (as fast as 1 x 2 multicast, and racecheck runs on
+  it), a persistent scheduler, no split-K). The plan
   takes it from ``CUTLASS_MIN_TOKENS`` (128) rows per head when there are at least 32 output tiles (with
   fewer, this library's stream-K plans fill the GPU better). H200, same process, UE8M0 codes, this library's
   plan / CUTLASS time, M = 128 / 256 / 512 / 1024 / 2048 / 4096: square 7168 1.09 / 1.82 / 1.26 / 1.14 /

@@ -1,6 +1,7 @@
 """A small GPU case of every CUDA handler, for compute-sanitizer (not a pytest file).
 
     compute-sanitizer --tool memcheck --kernel-name kns=jax_w4a8 python tests/sanitizer_case.py
+    compute-sanitizer --tool racecheck --racecheck-report hazard --kernel-name kns=jax_w4a8 python tests/sanitizer_case.py
 
 Exercises edge tiles, padding rows, hostile group sizes and per-row / per-block scales; exits 1 if a
 result is wrong, so the sanitizer run also checks values.
