@@ -1,0 +1,106 @@
+"""compute-sanitizer over tests/sanitizer_case.py, which runs every CUDA handler on edge tiles, padding rows and
+hostile group sizes and checks the values: memcheck finds no out-of-bounds or misaligned access, racecheck no
+shared-memory hazard, synccheck no barrier misuse, and the case's results are right under each tool.
+
+The GPU tests also skip where compute-sanitizer is not installed. The verdict on a sanitizer's output is tested
+on the CPU against outputs recorded on the H200 (fifteenth session), including the one that found CUTLASS's
+blockwise kernel stopping racecheck at 1 x 2 clusters.
+"""
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CASE = os.path.join(ROOT, "tests", "sanitizer_case.py")
+TOOLS = {"memcheck": [], "racecheck": ["--racecheck-report", "hazard"], "synccheck": []}
+
+
+def find_sanitizer():
+    """The compute-sanitizer executable on PATH or in a CUDA toolkit under /usr/local, or None."""
+    found = shutil.which("compute-sanitizer")
+    if found:
+        return found
+    candidates = sorted(glob.glob("/usr/local/cuda*/bin/compute-sanitizer"))
+    return candidates[-1] if candidates else None
+
+
+def sanitizer_verdict(tool, output):
+    """None when ``output`` (compute-sanitizer's and the case's, together) is clean, else why it is not."""
+    if "Internal Sanitizer Error" in output:
+        line = next(ln for ln in output.splitlines() if "Internal Sanitizer Error" in ln)
+        return f"{tool} stopped: {line.strip('= ').strip()}"
+    if tool == "racecheck":
+        m = re.search(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", output)
+        if m is None:
+            return "racecheck printed no summary"
+        if int(m.group(1)) or int(m.group(2)) or int(m.group(3)):
+            return f"racecheck: {m.group(0)}"
+    else:
+        m = re.search(r"ERROR SUMMARY: (\d+) errors?", output)
+        if m is None:
+            return f"{tool} printed no summary"
+        if int(m.group(1)):
+            return f"{tool}: {m.group(0)}"
+    if "sanitizer case: ok" not in output:
+        return "the sanitizer case did not finish with correct results"
+    return None
+
+
+CLEAN_RACECHECK = """========= COMPUTE-SANITIZER
+sanitizer case: ok
+========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)
+"""
+# Recorded on the H200 (main's build before ClusterShape 1 x 1; abridged: the traceback's middle left out).
+STOPPED_RACECHECK = """========= COMPUTE-SANITIZER
+cutlass einsum 150 1 264 256
+========= Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception.
+=========
+jax.errors.JaxRuntimeError: INTERNAL: CUDA error: [0] Failed to load in-memory CUBIN (compiled for a different GPU?).: CUDA_ERROR_ILLEGAL_ADDRESS: an illegal memory access was encountered [executable_name='jit_convert_element_type']
+========= Target application returned an error
+========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)
+"""
+CLEAN_MEMCHECK = """========= COMPUTE-SANITIZER
+sanitizer case: ok
+========= ERROR SUMMARY: 0 errors
+"""
+
+
+def test_verdict_accepts_clean_outputs():
+    assert sanitizer_verdict("racecheck", CLEAN_RACECHECK) is None
+    assert sanitizer_verdict("memcheck", CLEAN_MEMCHECK) is None
+    assert sanitizer_verdict("synccheck", CLEAN_MEMCHECK) is None
+
+
+def test_verdict_rejects_a_stopped_sanitizer_hazards_errors_and_missing_summaries():
+    assert "stopped: Internal Sanitizer Error: The Sanitizer failed to handle a hardware exception" in (
+        sanitizer_verdict("racecheck", STOPPED_RACECHECK))
+    hazard = CLEAN_RACECHECK.replace("0 hazards displayed (0 errors, 0 warnings)", "2 hazards displayed (0 errors, 2 warnings)")
+    assert sanitizer_verdict("racecheck", hazard) == "racecheck: RACECHECK SUMMARY: 2 hazards displayed (0 errors, 2 warnings)"
+    one = CLEAN_RACECHECK.replace("0 hazards displayed (0 errors, 0 warnings)", "1 hazard displayed (1 error, 0 warnings)")
+    assert sanitizer_verdict("racecheck", one).startswith("racecheck: RACECHECK SUMMARY: 1 hazard")
+    assert sanitizer_verdict("memcheck", CLEAN_MEMCHECK.replace("0 errors", "3 errors")) == "memcheck: ERROR SUMMARY: 3 errors"
+    assert sanitizer_verdict("memcheck", CLEAN_MEMCHECK.replace("ERROR SUMMARY: 0 errors", "")) == "memcheck printed no summary"
+    assert sanitizer_verdict("racecheck", CLEAN_MEMCHECK) == "racecheck printed no summary"
+    wrong = CLEAN_MEMCHECK.replace("sanitizer case: ok", "sanitizer case: WRONG RESULTS")
+    assert sanitizer_verdict("memcheck", wrong) == "the sanitizer case did not finish with correct results"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_sanitizer_case_is_clean(tool):
+    sanitizer = find_sanitizer()
+    if sanitizer is None:
+        pytest.skip("compute-sanitizer not found (PATH, /usr/local/cuda*/bin)")
+    # The child allocates on demand: this process's JAX client may already hold most of the GPU's memory.
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    cmd = [sanitizer, "--tool", tool, *TOOLS[tool], "--kernel-name", "kns=jax_w4a8", sys.executable, CASE]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    output = r.stdout + r.stderr
+    why = sanitizer_verdict(tool, output)
+    assert why is None and r.returncode == 0, f"{why or f'exit status {r.returncode}'}\n{output[-4000:]}"
