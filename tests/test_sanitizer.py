@@ -32,9 +32,8 @@ def find_sanitizer():
 
 def sanitizer_verdict(tool, output):
     """None when ``output`` (compute-sanitizer's and the case's, together) is clean, else why it is not."""
-    if "Internal Sanitizer Error" in output:
-        line = next(ln for ln in output.splitlines() if "Internal Sanitizer Error" in ln)
-        return f"{tool} stopped: {line.strip('= ').strip()}"
+    if stop := re.search(r"Internal Sanitizer Error.*", output):
+        return f"{tool} stopped: {stop.group(0).strip()}"
     if tool == "racecheck":
         m = re.search(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", output)
         if m is None:
