@@ -123,7 +123,8 @@ class GemmPlan:
 
     tile_tokens: int  # 0 (simple kernel), 8 (einsum decode kernel), 16, 32, 64, 128 or (block-scaled einsum) 192
     split_k: int
-    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ split-K piece counters and partial tiles)
+    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ f16 activations with mma "f16"; + split-K
+    # piece counters and partial tiles)
     units: int  # expected units of work
     mma: str = "e4m3"  # int4 weights: "e4m3" or "f16" tensor-core operands
     kernel: str = "native"  # "native" (this library's kernels, by tile_tokens) or "cutlass"
@@ -283,6 +284,9 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
         raise ValueError(f"argument 'mma' must be None or one of {MMAS}, got {mma!r}")
     if mma == "f16" and plan.tile_tokens not in (16, 32):
         raise ValueError(f"argument 'mma'='f16' needs a token tile of 16 or 32, the plan has {plan.tile_tokens}")
+    if mma == "f16":  # the activations as f16 (M x K x 2 bytes) follow the scales in the scratch
+        # (hopper_gemm.cuh HopperGemmF16ActivationBytes)
+        return dataclasses.replace(plan, mma=mma, scratch_bytes=plan.scratch_bytes + _align256(2 * m * k))
     return dataclasses.replace(plan, mma=mma)
 
 

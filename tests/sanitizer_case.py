@@ -25,7 +25,7 @@ def main() -> int:
     x8, xs = quant.quantize_fp8_groups(rng.standard_normal((45, 256)).astype(np.float32))
     for sizes in ([10, 0, 30], [-4, 2**31 - 1, 9], [0, 0, 0]):
         args = (x8, xs, w, ws, jnp.asarray(sizes, jnp.int32))
-        for mma in ("e4m3", "f16"):  # both tensor-core operand formats (f16: helper warps convert x)
+        for mma in ("e4m3", "f16"):  # both tensor-core operand formats (f16: x converted once per call)
             out = jax.jit(lambda *a, mma=mma: ops.w4a8_grouped_gemm(*a, impl="ffi", mma=mma))(*args)
             ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3
             covered = min(sum(max(v, 0) for v in sizes), 45)

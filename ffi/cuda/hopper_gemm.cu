@@ -11,8 +11,9 @@
 //                (128-token prefill tiles), the two warpgroups take turns issuing MMAs, so one promotes
 //                while the other's MMAs run.
 //   f16 MMA path (int4 weights, int4_f16, token tiles 16 / 32): the consumers convert int4 to f16
-//                instead (fewer integer instructions), warps 1..3 of the producer warpgroup convert each
-//                activation tile to f16 in the matching K order (ConvertX) and signal xready.
+//                instead (fewer integer instructions); the activations were converted to f16 in the
+//                matching K order once per call by the preparation kernel (ConvertXToF16), and the
+//                producer loads them by TMA like the e4m3 tiles.
 // Block-scaled einsum at 128- and 192-token tiles (ConsumeTokenRows): the same stages, but two or three
 //                consumer warpgroups put 64 tokens each on wgmma's A side and the 128 weight rows on
 //                its N side, taking turns.
@@ -67,16 +68,14 @@ template <int kTok, bool kInt4, int kParts = 1, bool kF16 = false>
 struct Layout {
   static constexpr int kWPartBytes = kFeatTile * (kInt4 ? kKGroup / 2 : kKGroup);
   static constexpr int kWBytes = kParts * kWPartBytes;  // gate and up tiles when fused
-  static constexpr int kXBytes = kTok * kKGroup;
+  // The activations: e4m3, or on the f16 MMA path f16 (prepared once per call, ConvertXToF16) as two
+  // halves of 64 K, each kTok rows of 128 bytes with TMA's 128-byte swizzle (the e4m3 tile's geometry).
+  static constexpr int kXBytes = kTok * kKGroup * (kF16 ? 2 : 1);
   // Activation scales: a box of kTok + 4 floats starting at the token tile's row rounded down to a
   // multiple of 4, since TMA needs the innermost start 16-byte aligned (expert tiles start anywhere).
   static constexpr int kSxBox = kTok + 4;
   static constexpr int kSxBytes = (kSxBox * 4 + 127) / 128 * 128;
-  // f16 MMA path: the activations again as f16 in the K order of the weight fragments (see ConvertX),
-  // eight K16 steps of [kTok x 16] in 8 x 16-byte core matrices.
-  static constexpr int kXhOffset = kWBytes + kXBytes + kSxBytes;
-  static constexpr int kXhBytes = kF16 ? 8 * kTok * 32 : 0;
-  static constexpr int kStageBytes = (kXhOffset + kXhBytes + 1023) / 1024 * 1024;
+  static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
   static constexpr int kRedBytes = kParts == 2 ? 8 * kTok * 4 : 0;  // per-warp token maxima (fused epilogue)
 };
 
@@ -122,28 +121,20 @@ __device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t v) {
 // [32 c, 32 c + 32) of each 128-K group, as four words t (codes 32 c + 8 t + j, j < 8); word t gives
 // K16 steps 2 t and 2 t + 1 (Int4x8ToF16 pairs codes j and j + 4). So at step s = 2 t + h, logical
 // column 2 c + e of the step is code 32 c + 8 t + 2 h + 4 e, and column 8 + 2 c + e is code
-// 32 c + 8 t + 2 h + 1 + 4 e. ConvertX writes the activations in that order: x as e4m3 [kTok][128]
-// (TMA, no swizzle) -> f16 [step][token / 8][column / 8][token % 8][column % 8]; descriptor LBO 128
-// (between the two column halves), SBO 256 (between groups of 8 tokens). Run by the producer
-// warpgroup's three otherwise idle warps (96 threads); task (token n, word t) covers 32 codes.
-template <int kTok>
-__device__ __forceinline__ void ConvertX(const uint8_t* x_tile, uint8_t* xh, int helper) {
-  const uint32_t x0 = sm90::SmemAddr(x_tile), h0 = sm90::SmemAddr(xh);
-  for (int task = helper; task < kTok * 4; task += 96) {
-    const int n = task / 4, t = task % 4;
-    const uint32_t row = h0 + static_cast<uint32_t>((n >> 3) * 256 + (n & 7) * 16);
-#pragma unroll
-    for (int c = 0; c < 4; ++c) {
-      const uint2 b = sm90::LdShared64(x0 + n * 128 + 32 * c + 8 * t);  // codes 32 c + 8 t + [0, 8)
-      const uint32_t pa = __byte_perm(b.x, b.y, 0x5140);                 // j = 0, 4, 1, 5
-      const uint32_t pb = __byte_perm(b.x, b.y, 0x7362);                 // j = 2, 6, 3, 7
-      const uint32_t s0 = row + (2 * t) * (kTok * 32) + 4 * c, s1 = s0 + kTok * 32;
-      sm90::StShared32(s0, E4m3x2ToF16x2(pa));                // step 2 t, columns 2 c + e
-      sm90::StShared32(s0 + 128, E4m3x2ToF16x2(pa >> 16));    // step 2 t, columns 8 + 2 c + e
-      sm90::StShared32(s1, E4m3x2ToF16x2(pb));                // step 2 t + 1
-      sm90::StShared32(s1 + 128, E4m3x2ToF16x2(pb >> 16));
-    }
-  }
+// 32 c + 8 t + 2 h + 1 + 4 e. ConvertXToF16 writes each token's 128-K group of activations as f16 in that
+// order (step s at [16 s, 16 s + 16)), so the kernel loads them with TMA as a plain K-major tile. One
+// task (one token's group, word t, thread c) turns 8 e4m3 codes into four f16 pairs.
+__device__ __forceinline__ void ConvertXToF16(const uint8_t* x, uint16_t* xh, int64_t task) {
+  const int c = static_cast<int>(task & 3), t = static_cast<int>((task >> 2) & 3);
+  const int64_t group = task >> 4;  // [M, H, G] flattened: group * 128 is its first K in x and xh
+  const uint2 b = *reinterpret_cast<const uint2*>(x + group * kKGroup + 32 * c + 8 * t);  // codes [0, 8)
+  const uint32_t pa = __byte_perm(b.x, b.y, 0x5140);  // j = 0, 4, 1, 5
+  const uint32_t pb = __byte_perm(b.x, b.y, 0x7362);  // j = 2, 6, 3, 7
+  uint32_t* d = reinterpret_cast<uint32_t*>(xh + group * kKGroup + 32 * t + 2 * c);  // step 2 t, columns 2 c
+  d[0] = E4m3x2ToF16x2(pa);         // step 2 t, columns 2 c + e
+  d[4] = E4m3x2ToF16x2(pa >> 16);   // step 2 t, columns 8 + 2 c + e
+  d[8] = E4m3x2ToF16x2(pb);         // step 2 t + 1
+  d[12] = E4m3x2ToF16x2(pb >> 16);
 }
 
 // Index of weight scale (b, row f, group 0); group g is at + g. Rows past the weights clamp.
@@ -716,13 +707,13 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + static_cast<size_t>(stages) * L::kStageBytes);
   uint64_t* empty = full + stages;
-  uint64_t* xready = empty + stages;  // f16 path: the stage's activations are converted
+  uint64_t* spare = empty + stages;  // a third mbarrier per stage, unused (keeps the other kernels' layout)
   UnitTable table;
   // The grouped GEMM's rows past the last expert: zero-filled by units of their own without split-K; with
   // split-K by the scale preparation before this kernel (zero units would take a share of the stream-K
   // iterations, most of them under expert parallelism, where most rows are padding).
   table.nb = static_cast<int>(p.b) + ((p.group_sizes != nullptr && p.split_k == 1) ? 1 : 0);
-  table.prefix = reinterpret_cast<int64_t*>(xready + stages);
+  table.prefix = reinterpret_cast<int64_t*>(spare + stages);
   table.start = reinterpret_cast<int32_t*>(table.prefix + table.nb + 1);
   table.end = table.start + table.nb;
   float* red = reinterpret_cast<float*>(table.end + table.nb + 4);  // after the table (float accesses only)
@@ -731,7 +722,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     for (int s = 0; s < stages; ++s) {
       sm90::MbarInit(&full[s], 1);
       sm90::MbarInit(&empty[s], ThreadsOf<kTok, kTokenRows>() / 32 - 4);  // one arrival per consumer warp
-      sm90::MbarInit(&xready[s], 3);  // one arrival per converting warp
+      sm90::MbarInit(&spare[s], 3);
     }
     sm90::FenceBarrierInit();
   }
@@ -750,21 +741,6 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   if (wg == 0) {
     // ------------------------------------------------------------------------------- producer
     sm90::ReleaseNReg<kConsumers == 3 ? 32 : Occupancy<kTok, kParts>::kProducerRegs>();
-    if constexpr (kF16) {
-      if (threadIdx.x >= 32) {  // warps 1..3: the activations to f16, stage by stage, as they land
-        const int lane = threadIdx.x % 32;
-        ForEachLoadedGroup<kTok, kPanels, kEinsum>(p, table, total_units, feat_tiles, groups, stages,
-                                 [&](const Unit&, int64_t, int stage, uint32_t phase) {
-                                   sm90::MbarWait(&full[stage], phase);
-                                   uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
-                                   ConvertX<kTok>(st + L::kWBytes, st + L::kXhOffset, threadIdx.x - 32);
-                                   sm90::FenceProxyAsyncShared();
-                                   __syncwarp();
-                                   sm90::MbarArriveIf(&xready[stage], lane == 0);
-                                 });
-        return;
-      }
-    }
     if (threadIdx.x != 0) return;
     ForEachLoadedGroup<kTok, kPanels, kEinsum>(p, table, total_units, feat_tiles, groups, stages,
                              [&](const Unit& t, int64_t g, int stage, uint32_t phase) {
@@ -778,6 +754,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
                         static_cast<int>(t.f0 + part * p.up_offset), static_cast<int>(t.b));
       sm90::TmaLoad3d(st + L::kWBytes, &map_x, &full[stage], static_cast<int>(g * kKGroup), t.head,
                       static_cast<int>(t.m0));
+      if constexpr (kF16)  // the f16 tile's second half: K [64, 128) of the group
+        sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes / 2, &map_x, &full[stage], static_cast<int>(g * kKGroup + 64),
+                        t.head, static_cast<int>(t.m0));
       sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
                       t.head, static_cast<int>(g));
     });
@@ -823,7 +802,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   // Stage 0's descriptors (activation tile; e4m3 weight rows of this warpgroup), on the uniform datapath
   // (the warp-uniform warpgroup index through a shuffle); a stage adds its offset / 16, 32 K bytes add 2.
   const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes, 0);
-  const uint64_t desc_xh0 = sm90::DescNoSwizzle(sm90::SmemAddr(smem + L::kXhOffset), 128, 256);  // f16 path
+  // f16 path: K16 step s reads 32 bytes at 32 (s % 4) of the rows of half s / 4 (kTok x 128 bytes each).
   uint64_t desc_w0[kParts];
 #pragma unroll
   for (int part = 0; part < kParts; ++part)
@@ -877,7 +856,6 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 #pragma unroll
       for (int part = 0; part < kParts; ++part) sw[S][part][0] = pre[J][part][0], sw[S][part][1] = pre[J][part][1];
       sm90::MbarWait(&full[stage], phase);
-      if constexpr (kF16) sm90::MbarWait(&xready[stage], phase);  // and its activations are f16
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       slot_stage[S] = stage;
       if (++stage == stages) { stage = 0; phase ^= 1; }
@@ -904,7 +882,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
             static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
 #pragma unroll
         for (int step = 0; step < 8; ++step)
-          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step], desc_xh0 + stage_desc + step * (kTok * 32 / 16), step > 0);
+          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step],
+                           desc_x0 + stage_desc + (step / 4) * (L::kXBytes / 2 / 16) + 2 * (step % 4), step > 0);
         sm90::WgmmaCommit();
         turn_pass();
       } else {
@@ -1058,8 +1037,14 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 // launch for both.
 __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
                                        int64_t groups, int64_t mp, float* zero, int64_t n_zero,
-                                       const int32_t* group_sizes, int64_t b, void* out, bool out_bf16, int64_t f) {
+                                       const int32_t* group_sizes, int64_t b, void* out, bool out_bf16, int64_t f,
+                                       const uint8_t* x, uint16_t* xh) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  if (xh != nullptr) {  // the f16 MMA path's activations (16 tasks per token, head and K group)
+    const int64_t tasks = m * h * groups * 16;
+    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < tasks; i += stride)
+      ConvertXToF16(x, xh, i);
+  }
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_zero; i += stride)
     zero[i] = 0.0f;
   if (group_sizes != nullptr) {
@@ -1166,8 +1151,14 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   const int64_t w_rows = p.fused_up ? p.f + p.up_offset : p.f;
   bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, w_rows, p.b, kInt4 ? kKGroup / 2 : kKGroup,
                      kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
-  ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.x, p.k, p.h, p.m, kKGroup, 1, kTok,
-                      kF16 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B);
+  if constexpr (kF16) {  // the f16 activations in xh, 64 K (128 bytes) per box row
+    ok = ok && p.xh != nullptr &&
+         Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, p.xh, p.k, p.h, p.m, kKGroup / 2, 1, kTok,
+                  CU_TENSOR_MAP_SWIZZLE_128B);
+  } else {
+    ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.x, p.k, p.h, p.m, kKGroup, 1, kTok,
+                        CU_TENSOR_MAP_SWIZZLE_128B);
+  }
   ok = ok && Encode3d(&map_sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.sx, p.mp, p.h, p.k / kKGroup, L::kSxBox, 1, 1,
                       CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
@@ -1275,6 +1266,10 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   return true;
 }
 
+size_t HopperGemmF16ActivationBytes(int64_t m, int64_t h, int64_t k) {
+  return (static_cast<size_t>(m * h * k) * 2 + 255) / 256 * 256;
+}
+
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,
                               int64_t grouped_batches) {
   const int64_t mp = (m + 3) / 4 * 4;
@@ -1287,6 +1282,8 @@ size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int sp
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const DeviceInfo dev = CurrentDevice();
   const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
+  const bool f16_x = p.w_int4 && p.int4_f16 && !p.fused_up;
+  if (f16_x && p.xh == nullptr) return cudaErrorInvalidValue;
   // split_k > 1: the piece counters are cleared; the partial-sum slots after them need no clearing
   // (every slot a fix-up reads was written by its piece first).
   HopperGemmParams q = p;
@@ -1299,11 +1296,14 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   // Grouped GEMM under split-K: the padding rows are zeroed here, not by units of the GEMM (see the kernel).
   const bool zero_padding = p.split_k > 1 && p.group_sizes != nullptr;
   if (n > 0 || n_zero > 0) {
-    const int64_t work = std::max({n, n_zero, zero_padding ? p.m * p.f : int64_t{0}});
+    const int64_t work = std::max({n, n_zero, zero_padding ? p.m * p.f : int64_t{0},
+                                   f16_x ? p.m * p.h * (p.k / kKGroup) * 16 : int64_t{0}});
     const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t{dev.sms} * 8));
     PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
                                                        p.split_ws, n_zero, zero_padding ? p.group_sizes : nullptr,
-                                                       p.b, p.out, p.out_bf16, p.f);
+                                                       p.b, p.out, p.out_bf16, p.f,
+                                                       static_cast<const uint8_t*>(p.x),
+                                                       f16_x ? static_cast<uint16_t*>(p.xh) : nullptr);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   }
   if (p.fused_up) return LaunchFusedUp(q, stream, dev);

@@ -46,8 +46,10 @@ struct HopperGemmParams {
   int64_t m, h, f, k, b, mp;
   int split_k;                 // > 1: stream-K (partial tiles summed in block order by the piece completing a tile)
   int tile_tokens;             // 16, 32, 64 or 128; 192 for the block-scaled fp8 einsum
-  // int4 weights: MMA in f16 (int4 -> f16 costs half the integer instructions of int4 -> e4m3; the
-  // activations go to f16 once per stage) instead of e4m3; tile_tokens 16 or 32, not fused.
+  // int4 weights: MMA in f16 (int4 -> f16 costs half the integer instructions of int4 -> e4m3) instead of
+  // e4m3; tile_tokens 16 or 32, not fused. The activations go to f16 once per call, before the GEMM, into
+  // xh (scratch, HopperGemmF16ActivationBytes): [M, H, K] f16 with each 128-K group in the K order of the
+  // kernel's int4 -> f16 fragments (see ConvertXToF16 in hopper_gemm.cu).
   bool int4_f16 = false;
   // Fused MoE up-projection (w4a8 only, split_k 1, tile_tokens <= 64): the weights hold gate rows
   // [0, F) and up rows [up_offset, up_offset + F); out receives e4m3 codes of silu(gate) * up [M, F]
@@ -57,6 +59,7 @@ struct HopperGemmParams {
   int64_t up_offset = 0;
   const float* down_scale = nullptr;
   float* h_scale = nullptr;
+  void* xh = nullptr;          // int4_f16: the f16 activations (see int4_f16)
 };
 
 // The current device's SM count (cached per device, as the launches below use it).
@@ -68,6 +71,9 @@ bool CurrentDeviceIsSm90();
 
 // Whether the current device and these shapes can take the tensor-core kernel (else use the simple one).
 bool HopperGemmSupported(const HopperGemmParams& p, const char** why);
+
+// Bytes of the f16 activations of the int4 f16 MMA path (int4_f16), 256-byte aligned.
+size_t HopperGemmF16ActivationBytes(int64_t m, int64_t h, int64_t k);
 
 // Bytes of scratch LaunchHopperGemm needs at least: the prepared activation scales and, with split_k > 1,
 // the piece counters (tile_tokens, and for the grouped GEMM its batch count, bound the number of units)

@@ -178,7 +178,9 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (!HopperGemmSupported(p, &why)) {  // e.g. not a Hopper GPU: the simple kernel is always correct
     return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
   }
-  const size_t need = HopperGemmScratchBytes(d.m, 1, d.n, d.k, split_k, tile_tokens, d.e);
+  // f16 MMA: the activations as f16 follow the scales (then the split-K region).
+  const size_t xh_bytes = p.int4_f16 ? HopperGemmF16ActivationBytes(d.m, 1, d.k) : 0;
+  const size_t need = HopperGemmScratchBytes(d.m, 1, d.n, d.k, split_k, tile_tokens, d.e) + xh_bytes;
   if (scratch->size_bytes() < need)
     return Invalid("w4a8_grouped_gemm", "scratch output too small for the tile plan (" +
                                             std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");
@@ -187,8 +189,9 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   p.sx_kind = ActScaleKindOf(d.x_scale_kind);
   p.sx = reinterpret_cast<float*>(base);
   const size_t scales_bytes = HopperGemmScratchBytes(d.m, 1, d.n, d.k, 1);  // the split-K region follows them
-  p.split_ws = reinterpret_cast<float*>(base + scales_bytes);
-  p.split_bytes = static_cast<int64_t>(scratch->size_bytes() - scales_bytes);
+  if (xh_bytes) p.xh = base + scales_bytes;
+  p.split_ws = reinterpret_cast<float*>(base + scales_bytes + xh_bytes);
+  p.split_bytes = static_cast<int64_t>(scratch->size_bytes() - scales_bytes - xh_bytes);
   const cudaError_t err = LaunchHopperGemm(p, stream);
   if (err != cudaSuccess)
     return ffi::Error::Internal(std::string("w4a8_grouped_gemm: tensor-core kernel failed: ") + cudaGetErrorString(err));
