@@ -43,12 +43,15 @@ products and one FMA per accumulator. The heuristic:
 * ``mma`` (int4 weights, grouped GEMM): the tensor-core operand format. ``"e4m3"``: the int4 codes
   become e4m3 in registers and meet the fp8 activations in an fp8 MMA. ``"f16"`` (token tiles 16
   and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
-  fourteen integer ones; at decode the integer pipe is the limit) and three otherwise idle producer
-  warps turn each activation tile into f16 once per stage; an f16 MMA with float32 accumulation.
-  Both are exact (int4 and e4m3 values are f16 values, products exact in float32). The plan takes
-  f16 at 16-row tiles (H200, 64 rows over 32 experts: gate+up 242 vs 312 us, down 135 vs 157 us,
-  same run) and e4m3 from 32 rows (336 vs 324 us at 512 rows: the f16 stage also holds the
-  converted activations, so fewer stages fit, and one group is in flight instead of two).
+  fourteen integer ones; at decode the integer pipe is the limit) and meet the activations as f16,
+  converted once per call by the scale-preparation kernel into the scratch (2 M K bytes, in the K
+  order of the weight fragments) and loaded by TMA like the e4m3 tiles; an f16 MMA with float32
+  accumulation. Both are exact (int4 and e4m3 values are f16 values, products exact in float32). The
+  plan takes f16 at both tiles. H200, same runs (two rounds, one process per build), us, f16 with the
+  once-per-call conversion vs the former per-stage conversion by three producer warps: 16-token tiles
+  gate+up 64 / 256 rows 170, 164 / 197, 199 vs 198, 183 / 222, 226; down 104, 113 / 127, 115 vs 119,
+  123 / 126, 129; 32-token tiles at 512 rows gate+up 262, 255 vs 316, 312 and down 148, 148 vs 184,
+  188, where e4m3 took 304, 296 (gate+up) and 180, 171 (down).
 * ``tile_tokens=8`` (einsum only, at most 32 tokens; the plan's choice up to 8): the decode kernel
   (``ffi/cuda/fp8_decode_gemm.cu``): warp-level fp8 MMAs (16 weight rows x 8-token tiles) fed straight
   from global memory, the K groups split over the warps of a block and a cluster of up to 8 blocks,
@@ -278,8 +281,8 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
             return GemmPlan(128, 1, scratch, units, kernel="cutlass", experts_per_chunk=chunk)
     busy = e if rows_per_expert is not None else _busy_experts(m, e)
     plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy)
-    if mma is None:  # measured on the H200: f16 wins at 16-row tiles, e4m3 from 32 (see below)
-        mma = "f16" if plan.tile_tokens == 16 else "e4m3"
+    if mma is None:  # measured on the H200: f16 wins at 16- and 32-row tiles (module docstring)
+        mma = "f16" if plan.tile_tokens in (16, 32) else "e4m3"
     if mma not in MMAS:
         raise ValueError(f"argument 'mma' must be None or one of {MMAS}, got {mma!r}")
     if mma == "f16" and plan.tile_tokens not in (16, 32):

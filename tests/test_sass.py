@@ -84,13 +84,13 @@ def test_every_tile_configuration_is_built(kernels):
 def test_einsum_decode_kernel_issues_warp_mmas(functions):
     """Fp8DecodeKernel<token tiles> (tile_tokens 8): one per 1, 2, 4 tiles of 8 tokens. Its fp8
     mma.sync m16n8k32 runs as f16 HMMA.16816 on sm_90 (e4m3 -> f16 is exact; float32 accumulation);
-    weights are streamed past L1 in 16-byte loads with 256-byte L2 fills (LTC256B); no local-memory spills
-    up to 16 tokens (what the plan takes)."""
+    weights are streamed past L1 in 16-byte loads; no local-memory spills up to 16 tokens (what the
+    plan takes)."""
     found = {int(m[1]): body for name, body in functions if (m := re.search(r"Fp8DecodeKernelILi(\d)EE", name))}
     assert set(found) == {1, 2, 4}
     for tiles, body in found.items():
         assert body.count("HMMA.16816.F32") >= 8 * tiles, tiles
-        assert "LDG.E.NA.LTC256B.128" in body, tiles
+        assert "LDG.E.NA.128" in body, tiles
         if tiles <= 2:
             assert not re.search(r"\b(STL|LDL)\b", body), tiles
 

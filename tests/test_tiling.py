@@ -84,12 +84,14 @@ def test_fused_plan_caps_tile_and_never_splits():
 
 
 def test_mma_format_follows_the_tile():
-    # f16 operands at 16-row (decode) tiles, e4m3 from 32 rows; an explicit choice is kept or refused.
+    # f16 operands at 16- and 32-row (decode) tiles, e4m3 from 64 rows; an explicit choice is kept or refused.
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).mma == "f16"
-    assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS).mma == "e4m3"
+    assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS).mma == "f16"
+    assert tiling.plan_grouped_gemm(1024, 32, 4096, 7168, num_sms=SMS).tile_tokens == 64
+    assert tiling.plan_grouped_gemm(1024, 32, 4096, 7168, num_sms=SMS).mma == "e4m3"
     assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS).mma == "e4m3"
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
-    assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS, mma="f16").mma == "f16"
+    assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
     with pytest.raises(ValueError, match="'mma'"):
         tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS, mma="f16")
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=0, num_sms=SMS).mma == "e4m3"

@@ -54,12 +54,9 @@ struct Operands {
   uint4 x[NT][2];   // token 8j + g: the same bytes of the activations
 };
 
-// The L2::256B hint: an L2 miss brings the whole 256-byte block, which this warp's next groups read (each
-// row is walked in 128-byte groups). H200 read probe (.carry/s16/readbw.cu, this load pattern over 448 MB,
-// 16 warps per SM, two groups in flight): 3.81 -> 3.98 TB/s on 16384-byte rows, 3.99 -> 4.16 on 3584.
 __device__ __forceinline__ uint4 LoadStreamed(const uint8_t* p) {
   uint4 r;
-  asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
