@@ -861,7 +861,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       if (++stage == stages) { stage = 0; phase ^= 1; }
       if constexpr (kF16) {
         // Rows r and r + 8: this thread's 16 bytes (codes [32 c, 32 c + 32)) of each, 4 words -> 8 K16
-        // steps (order in ConvertX).
+        // steps (order in ConvertXToF16).
         const uint32_t base = sm90::SmemAddr(st) + frag_row * 64 + ((static_cast<uint32_t>(lane % 4) ^ frag_swz) * 16);
         const uint4 qa = sm90::LdShared128(base);
         const uint4 qb = sm90::LdShared128(base + 8 * 64);
