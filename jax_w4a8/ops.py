@@ -404,7 +404,7 @@ def _fused_up_supported(num_experts: int) -> bool:
 
 
 def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None, impl="auto",
-                rows_per_expert=None, tile_tokens=None):
+                rows_per_expert=None, tile_tokens=None, mma=None):
     """MoE gate+up grouped GEMM fused with SiLU(gate) * up and fp8 quantization for the down projection.
 
     ``h = silu(gate) * up`` with gate and up the float32 results of :func:`w4a8_grouped_gemm` on the
@@ -422,6 +422,9 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
       x, x_scale, group_sizes: as :func:`w4a8_grouped_gemm`.
       w13: int8 packed int4 [E, 2I, K/2], gate rows first; w13_scale: float32/bfloat16 [E, 2I, K/128].
       down_input_scale: optional float32 scalar.
+      rows_per_expert, tile_tokens: the fused kernel's tile plan, as :func:`w4a8_grouped_gemm` (token
+        tiles 16, 32 or 64); mma: its tensor-core operand format, "e4m3" or "f16" (token tiles 16 and
+        32); see :func:`jax_w4a8.tiling.plan_moe_up`.
     Returns:
       (h8 float8_e4m3fn [M, I], scale): float32 [M, I // 128] (dynamic) or the scalar (static). Rows
       not owned by any expert give h = 0 (codes 0).
@@ -455,7 +458,8 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     m, k = x.shape
     e = w13.shape[0]
     try:
-        plan = tiling.plan_moe_up(m, e, inter, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens)
+        plan = tiling.plan_moe_up(m, e, inter, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens,
+                                  mma=mma)
     except ValueError as exc:
         raise ValueError(f"{op}: {exc}") from None
     if impl == "reference":
@@ -472,7 +476,8 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
 
     def cuda_fn(*args):
         h8, hs, _ = jax.ffi.ffi_call(TARGETS["w4a8_moe_up"], types, vmap_method="sequential")(
-            *args, tile_tokens=np.int32(plan.tile_tokens), static_scale=static)
+            *args, tile_tokens=np.int32(plan.tile_tokens), static_scale=static,
+            mma=np.int32(tiling.MMAS.index(plan.mma)))
         return (h8, hs.reshape(())) if static else (h8, hs)
 
     def other_fn(*args):

@@ -294,16 +294,29 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
 
 
 def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | None = None,
-                tile_tokens: int | None = None, num_sms: int | None = None) -> GemmPlan:
-    """Plan for the fused ``w4a8_moe_up`` (gate and up accumulators: token tiles up to 64, no split-K)."""
+                tile_tokens: int | None = None, num_sms: int | None = None, mma: str | None = None) -> GemmPlan:
+    """Plan for the fused ``w4a8_moe_up`` (gate and up accumulators: token tiles up to 64, no split-K).
+
+    ``mma``: the tensor-core operand format as in :func:`plan_grouped_gemm` ("f16" at token tiles 16 and
+    32: the activations as f16, converted once per call, follow the scales in the scratch); None keeps
+    e4m3. Raises ValueError naming ``tile_tokens`` or ``mma``.
+    """
     rows = rows_per_expert if rows_per_expert is not None else m / e
     if tile_tokens is None:
         tile_tokens = min(_tile_for(rows, spread=True), 64)
     if tile_tokens not in TILE_TOKENS[:3]:
         raise ValueError(f"argument 'tile_tokens' must be None, 16, 32 or 64 for the fused kernel, got {tile_tokens!r}")
+    if mma is None:
+        mma = "e4m3"
+    if mma not in MMAS:
+        raise ValueError(f"argument 'mma' must be None or one of {MMAS}, got {mma!r}")
+    if mma == "f16" and tile_tokens not in (16, 32):
+        raise ValueError(f"argument 'mma'='f16' needs a token tile of 16 or 32, the plan has {tile_tokens}")
     plan = _plan(m, 1, inter, k, e, rows, tile_tokens, num_sms)
-    scratch = -(-((k // 128) * (-(-m // 4) * 4) * 4) // 256) * 256
-    return GemmPlan(plan.tile_tokens, 1, scratch, plan.units)
+    scratch = _align256((k // 128) * (-(-m // 4) * 4) * 4)
+    if mma == "f16":  # hopper_gemm.cuh HopperGemmF16ActivationBytes
+        scratch += _align256(2 * m * k)
+    return GemmPlan(plan.tile_tokens, 1, scratch, plan.units, mma=mma)
 
 
 def _einsum_tile(m: int, block_scaled: bool) -> int:

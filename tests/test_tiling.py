@@ -76,6 +76,15 @@ def test_busy_experts_matches_simulation():
     assert math.isclose(tiling._busy_experts(64, 32), (sizes > 0).sum(1).mean(), rel_tol=0.02)
 
 
+def test_fused_plan_f16_holds_the_f16_activations():
+    e4 = tiling.plan_moe_up(64, 32, 2048, 7168, num_sms=SMS)
+    f16 = tiling.plan_moe_up(64, 32, 2048, 7168, num_sms=SMS, mma="f16")
+    assert (e4.mma, f16.mma, f16.tile_tokens) == ("e4m3", "f16", 16)
+    assert f16.scratch_bytes == e4.scratch_bytes + 2 * 64 * 7168  # [M, K] f16 after the scales
+    with pytest.raises(ValueError, match="'mma'"):
+        tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS, mma="f16")  # 64-token tiles: e4m3 only
+
+
 def test_fused_plan_caps_tile_and_never_splits():
     plan = tiling.plan_moe_up(16384, 32, 2048, 7168, num_sms=SMS)
     assert plan.tile_tokens == 64 and plan.split_k == 1

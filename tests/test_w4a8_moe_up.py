@@ -52,15 +52,15 @@ def test_matches_float64(rng, device, static):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_tokens", [16, 32, 64])
+@pytest.mark.parametrize("tile_tokens, mma", [(16, "e4m3"), (32, "e4m3"), (64, "e4m3"), (16, "f16"), (32, "f16")])
 @pytest.mark.parametrize("static", [False, True])
-def test_fused_kernel_every_tile(rng, device, tile_tokens, static):
+def test_fused_kernel_every_tile(rng, device, tile_tokens, mma, static):
     if device.platform != "gpu":
         pytest.skip("the fused kernel is CUDA only")
     m, k, inter = 300, 1024, 256
     args = make_case(rng, m, k, 2 * inter, [120, 0, 90, 3, 60, -2])
     s = np.float32(np.abs(np_moe_up(args)).max() / 300) if static else None  # some values saturate
-    f = jax.jit(functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=tile_tokens))
+    f = jax.jit(functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=tile_tokens, mma=mma))
     text = f.lower(*args).as_text()
     assert "jax_w4a8_w4a8_moe_up" in text
     h8, scale = f(*[jax.device_put(a, device) for a in args])
@@ -86,3 +86,7 @@ def test_bad_inputs(rng):
         ops.w4a8_moe_up(*args, tile_tokens=128)
     with pytest.raises(ValueError, match="'tile_tokens'"):
         ops.w4a8_moe_up(*args, tile_tokens=128, impl="reference")
+    with pytest.raises(ValueError, match="'mma'"):  # the f16 MMA has token tiles 16 and 32 only
+        ops.w4a8_moe_up(*args, tile_tokens=64, mma="f16")
+    with pytest.raises(ValueError, match="'mma'"):
+        ops.w4a8_moe_up(*args, mma="bf16", impl="reference")

@@ -693,7 +693,7 @@ template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false, 
 __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
-  static_assert(!kF16 || (kInt4 && kParts == 1 && kTok <= 32), "the f16 path is for plain int4 decode tiles");
+  static_assert(!kF16 || (kInt4 && kTok <= 32), "the f16 path is for int4 decode tiles");
   using L = Layout<kTok, kInt4, kParts, kF16>;
   constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
   constexpr bool kPanels = kTok >= 128 && !kInt4;  // unit order: see DecodeUnit
@@ -861,29 +861,40 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       if (++stage == stages) { stage = 0; phase ^= 1; }
       if constexpr (kF16) {
         // Rows r and r + 8: this thread's 16 bytes (codes [32 c, 32 c + 32)) of each, 4 words -> 8 K16
-        // steps (order in ConvertXToF16).
-        const uint32_t base = sm90::SmemAddr(st) + frag_row * 64 + ((static_cast<uint32_t>(lane % 4) ^ frag_swz) * 16);
-        const uint4 qa = sm90::LdShared128(base);
-        const uint4 qb = sm90::LdShared128(base + 8 * 64);
-        const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+        // steps (order in ConvertXToF16). Fused: the up part is converted while the gate part's MMAs run,
+        // or, at two blocks per SM (104 registers: ptxas would serialize every wgmma), into the same
+        // registers once they are done.
+        constexpr bool kReuse = kParts == 2 && Occupancy<kTok, kParts>::kBlocksPerSm == 2;
+        uint64_t stage_desc = 0;
 #pragma unroll
-        for (int t4 = 0; t4 < 4; ++t4) {
-          uint32_t fa[4], fb[4];
-          Int4x8ToF16(wa[t4], fa);
-          Int4x8ToF16(wb[t4], fb);
-          afrag[S][0][2 * t4][0] = fa[0], afrag[S][0][2 * t4][1] = fb[0];
-          afrag[S][0][2 * t4][2] = fa[1], afrag[S][0][2 * t4][3] = fb[1];
-          afrag[S][0][2 * t4 + 1][0] = fa[2], afrag[S][0][2 * t4 + 1][1] = fb[2];
-          afrag[S][0][2 * t4 + 1][2] = fa[3], afrag[S][0][2 * t4 + 1][3] = fb[3];
+        for (int part = 0; part < kParts; ++part) {
+          const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_row * 64 +
+                                ((static_cast<uint32_t>(lane % 4) ^ frag_swz) * 16);
+          const uint4 qa = sm90::LdShared128(base);
+          const uint4 qb = sm90::LdShared128(base + 8 * 64);
+          const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+          uint32_t(&fr)[8][4] = afrag[S][kReuse ? 0 : part];
+#pragma unroll
+          for (int t4 = 0; t4 < 4; ++t4) {
+            uint32_t fa[4], fb[4];
+            Int4x8ToF16(wa[t4], fa);
+            Int4x8ToF16(wb[t4], fb);
+            fr[2 * t4][0] = fa[0], fr[2 * t4][1] = fb[0], fr[2 * t4][2] = fa[1], fr[2 * t4][3] = fb[1];
+            fr[2 * t4 + 1][0] = fa[2], fr[2 * t4 + 1][1] = fb[2], fr[2 * t4 + 1][2] = fa[3], fr[2 * t4 + 1][3] = fb[3];
+          }
+          if (part == 0) turn_wait();
+          sm90::WgmmaFence();
+          if (part == 0)
+            stage_desc = static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
+#pragma unroll
+          for (int step = 0; step < 8; ++step)
+            WgmmaF16Rs<kTok>(acc[S][part], fr[step],
+                             desc_x0 + stage_desc + (step / 4) * (L::kXBytes / 2 / 16) + 2 * (step % 4), step > 0);
+          if (kReuse && part + 1 < kParts) {  // the fragments are read by the MMAs until they finish
+            sm90::WgmmaCommit();
+            sm90::WgmmaWait<0>();
+          }
         }
-        turn_wait();
-        sm90::WgmmaFence();
-        const uint64_t stage_desc =
-            static_cast<uint64_t>(__shfl_sync(0xffffffffu, slot_stage[S], 0)) * (L::kStageBytes >> 4);
-#pragma unroll
-        for (int step = 0; step < 8; ++step)
-          WgmmaF16Rs<kTok>(acc[S][0], afrag[S][0][step],
-                           desc_x0 + stage_desc + (step / 4) * (L::kXBytes / 2 / 16) + 2 * (step % 4), step > 0);
         sm90::WgmmaCommit();
         turn_pass();
       } else {
@@ -1224,6 +1235,13 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
 }
 
 cudaError_t LaunchFusedUp(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
+  if (p.int4_f16) {
+    switch (p.tile_tokens) {
+      case 16: return Launch<16, true, 2, true>(p, stream, dev);
+      case 32: return Launch<32, true, 2, true>(p, stream, dev);
+      default: return cudaErrorInvalidValue;
+    }
+  }
   switch (p.tile_tokens) {  // gate + up accumulators: token tiles up to 64
     case 16: return Launch<16, true, 2>(p, stream, dev);
     case 32: return Launch<32, true, 2>(p, stream, dev);
@@ -1256,8 +1274,8 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   if (p.tile_tokens == 192 && (p.w_int4 || p.sw_row_shift != 7)) {
     *why = "tile_tokens 192 is for the block-scaled fp8 einsum (one weight scale per 128 rows)"; return false;
   }
-  if (p.int4_f16 && (!p.w_int4 || p.fused_up || p.tile_tokens > 32)) {
-    *why = "the f16 MMA path needs int4 weights, no fusion and tile_tokens <= 32"; return false;
+  if (p.int4_f16 && (!p.w_int4 || p.tile_tokens > 32)) {
+    *why = "the f16 MMA path needs int4 weights and tile_tokens <= 32"; return false;
   }
   if (p.fused_up && (!p.w_int4 || p.split_k != 1 || p.tile_tokens > 64 || p.f % kFeatTile)) {
     *why = "the fused up-projection needs int4 weights, split_k 1, tile_tokens <= 64 and I % 128 == 0";
@@ -1282,7 +1300,7 @@ size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int sp
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const DeviceInfo dev = CurrentDevice();
   const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
-  const bool f16_x = p.w_int4 && p.int4_f16 && !p.fused_up;
+  const bool f16_x = p.w_int4 && p.int4_f16;
   if (f16_x && p.xh == nullptr) return cudaErrorInvalidValue;
   // split_k > 1: the piece counters are cleared; the partial-sum slots after them need no clearing
   // (every slot a fix-up reads was written by its piece first).

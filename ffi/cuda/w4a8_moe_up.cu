@@ -16,14 +16,16 @@ namespace {
 ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
                          ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes, ffi::AnyBuffer down_scale,
                          ffi::Result<ffi::AnyBuffer> h8, ffi::Result<ffi::AnyBuffer> h_scale,
-                         ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, bool static_scale) {
+                         ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, bool static_scale, int32_t mma) {
   GroupedGemmDims d;
   int64_t inter = 0;
   if (auto err = CheckMoeUp(x, x_scale, w, w_scale, group_sizes, down_scale, *h8, *h_scale, static_scale, &d,
                             &inter);
       err.failure())
     return err;
+  if (mma != 0 && mma != 1) return Invalid("w4a8_moe_up", "mma must be 0 (e4m3) or 1 (f16)");
   HopperGemmParams p = GroupedInt4Params(d, x, w, w_scale, group_sizes, h8->untyped_data(), inter, tile_tokens, 1);
+  p.int4_f16 = mma == 1;
   p.fused_up = true;
   p.up_offset = inter;
   p.down_scale = static_scale ? static_cast<const float*>(down_scale.untyped_data()) : nullptr;
@@ -31,8 +33,11 @@ ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   const char* why = nullptr;
   if (!HopperGemmSupported(p, &why)) return Invalid("w4a8_moe_up", std::string("fused kernel unavailable: ") + why);
   if (d.m == 0) return ffi::Error::Success();
-  const size_t need = HopperGemmScratchBytes(d.m, 1, inter, d.k, 1);
+  // f16 MMA: the activations as f16 follow the scales.
+  const size_t scales_bytes = HopperGemmScratchBytes(d.m, 1, inter, d.k, 1);
+  const size_t need = scales_bytes + (p.int4_f16 ? HopperGemmF16ActivationBytes(d.m, 1, d.k) : 0);
   if (scratch->size_bytes() < need) return Invalid("w4a8_moe_up", "scratch output too small for the tile plan");
+  if (p.int4_f16) p.xh = static_cast<uint8_t*>(scratch->untyped_data()) + scales_bytes;
   p.sx_src = x_scale.untyped_data();
   p.sx_kind = ActScaleKindOf(d.x_scale_kind);
   p.sx = static_cast<float*>(scratch->untyped_data());
@@ -62,5 +67,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8MoeUpCuda, jax_w4a8::W4a8MoeUpCuda,
                                   .Ret<xla::ffi::AnyBuffer>()   // h_scale
                                   .Ret<xla::ffi::AnyBuffer>()   // scratch
                                   .Attr<int32_t>("tile_tokens")
-                                  .Attr<bool>("static_scale"),
+                                  .Attr<bool>("static_scale")
+                                  .Attr<int32_t>("mma"),    // 0 e4m3, 1 f16 (jax_w4a8.tiling.MMAS)
                               {xla::ffi::Traits::kCmdBufferCompatible});
