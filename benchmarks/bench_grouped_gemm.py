@@ -141,6 +141,11 @@ def run(args):
                 r["fused_up_us"] = C.bench(fused, sets) * 1e6
                 r["unfused_up_us"] = C.bench(unfused, sets) * 1e6
                 r["x_unfused_up"] = r["unfused_up_us"] / r["fused_up_us"]
+                fplan = tiling.plan_moe_up(m, E, inter, k)
+                if fplan.tile_tokens in (16, 32):  # the fused kernel's other MMA format at this tile
+                    other = "e4m3" if fplan.mma == "f16" else "f16"
+                    r[f"fused_up_{other}_us"] = C.bench(jax.jit(functools.partial(ops.w4a8_moe_up, mma=other)),
+                                                        sets) * 1e6
             rows.append(r)
             print(fmt_row(r), flush=True)
         del w4, ws, wb, w8t, wi4
@@ -201,10 +206,16 @@ def kernel_times(r):
     return {k[7:-3]: v for k, v in r.items() if re.fullmatch(r"kernel_[a-z]+_us", k)}
 
 
+def fused_mma_times(r):
+    """The fused up-projection with its other MMA format for row ``r``: {"f16": us} or {"e4m3": us}."""
+    return {k[9:-3]: v for k, v in r.items() if re.fullmatch(r"fused_up_(e4m3|f16)_us", k)}
+
+
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
     fused = (f" | fused up {r['fused_up_us']:.0f} us vs unfused {r['unfused_up_us']:.0f} us"
              if "fused_up_us" in r else "")
+    fused += "".join(f" (fused {k} MMA {v:.0f} us)" for k, v in fused_mma_times(r).items())
     tiles = "".join(f" | {k} {v:.0f} us" for k, v in tile_times(r).items())
     tiles += "".join(f" | {k} MMA {v:.0f} us" for k, v in mma_times(r).items())
     tiles += "".join(f" | {k} kernel {v:.0f} us" for k, v in kernel_times(r).items())
@@ -226,7 +237,8 @@ def report(payload, out):
             if f"x_{p}" in r:
                 d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x ({r[f'{p}_us']:.0f} us)"
         if "fused_up_us" in r:
-            d["fused up-proj us (unfused)"] = f"{r['fused_up_us']:.0f} ({r['unfused_up_us']:.0f})"
+            d["fused up-proj us (unfused)"] = f"{r['fused_up_us']:.0f} ({r['unfused_up_us']:.0f})" + "".join(
+                f"; {k}: {v:.0f}" for k, v in fused_mma_times(r).items())
         d["other token tiles us"] = " ".join(f"{k}: {v:.0f}" for k, v in tile_times(r).items())
         d["other MMA us"] = " ".join(f"{k}: {v:.0f}" for k, v in mma_times(r).items())
         d["other kernel us"] = " ".join(f"{k}: {v:.0f}" for k, v in kernel_times(r).items())
