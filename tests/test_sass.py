@@ -115,7 +115,7 @@ def test_kernels_issue_wgmma_in_their_operand_format(kernels):
 # hot loop fails here rather than silently slowing the kernel. Unlisted configurations: none allowed.
 HOT_LOOP_SPILL_BUDGET = {
     (32, False, 1, False): 1,  # fp8 einsum, 32-token tile
-    (32, True, 1, True): 6,  # f16 MMA path, 32-token tile (the plan uses e4m3 there)
+    (32, True, 1, True): 3,  # f16 MMA path, 32-token tile (the plan takes it at about 10-22 rows per expert)
     (32, True, 2, False): 1,  # fused up-projection, 32-token tile
     (192, False, 1, False, "token rows"): 1,  # three consumer warpgroups at 160 registers
     (192, False, 1, False, "token rows, stream-K"): 3,  # the same with the stream-K fix-up

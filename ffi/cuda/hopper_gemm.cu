@@ -365,8 +365,7 @@ struct WorkCursor {
 };
 
 // Calls f(unit, g, stage, phase) for every (unit, K group) whose stage this block loads, in order
-// (zero-fill units load nothing), advancing the ring of stages: the TMA producer and the f16 path's
-// converting warps walk the same sequence through it.
+// (zero-fill units load nothing), advancing the ring of stages (the TMA producer's walk through it).
 template <int kTok, bool kPanels, bool kEinsum, typename F>
 __device__ __forceinline__ void ForEachLoadedGroup(const HopperGemmParams& p, const UnitTable& table,
                                                    int64_t total_units, int64_t feat_tiles, int64_t groups,
@@ -707,7 +706,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + static_cast<size_t>(stages) * L::kStageBytes);
   uint64_t* empty = full + stages;
-  uint64_t* spare = empty + stages;  // a third mbarrier per stage, unused (keeps the other kernels' layout)
+  // A third mbarrier per stage, unused since the f16 path's activations are converted before the kernel;
+  // kept so that the shared-memory layout (and the SASS) of every other kernel stays as measured.
+  uint64_t* spare = empty + stages;
   UnitTable table;
   // The grouped GEMM's rows past the last expert: zero-filled by units of their own without split-K; with
   // split-K by the scale preparation before this kernel (zero units would take a share of the stream-K
@@ -865,6 +866,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         // or, at two blocks per SM (104 registers: ptxas would serialize every wgmma), into the same
         // registers once they are done.
         constexpr bool kReuse = kParts == 2 && Occupancy<kTok, kParts>::kBlocksPerSm == 2;
+        static_assert(!kReuse || kPipe == 1, "the wait below would also drain another group in flight");
         uint64_t stage_desc = 0;
 #pragma unroll
         for (int part = 0; part < kParts; ++part) {
