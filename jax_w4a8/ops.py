@@ -428,6 +428,10 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     Returns:
       (h8 float8_e4m3fn [M, I], scale): float32 [M, I // 128] (dynamic) or the scalar (static). Rows
       not owned by any expert give h = 0 (codes 0).
+    Raises:
+      TypeError / ValueError naming the argument, at trace time, before any kernel runs: bad shapes or
+      dtypes (as :func:`w4a8_grouped_gemm`), ``w13`` without gate and up halves, a non-scalar
+      ``down_input_scale``, an unknown ``tile_tokens`` or ``mma``, or ``mma="f16"`` with a 64-token tile.
     """
     op = "w4a8_moe_up"
     _check_impl(op, impl)

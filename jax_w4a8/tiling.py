@@ -283,14 +283,19 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy)
     if mma is None:  # measured on the H200: f16 wins at 16- and 32-row tiles (module docstring)
         mma = "f16" if plan.tile_tokens in (16, 32) else "e4m3"
+    return _with_mma(plan, mma, m, k)
+
+
+def _with_mma(plan: GemmPlan, mma: str, m: int, k: int) -> GemmPlan:
+    """``plan`` with the int4 operand format ``mma`` (checked against its token tile); with "f16" the
+    activations as f16 (M x K x 2 bytes, hopper_gemm.cuh HopperGemmF16ActivationBytes) follow the scales in
+    the scratch."""
     if mma not in MMAS:
         raise ValueError(f"argument 'mma' must be None or one of {MMAS}, got {mma!r}")
     if mma == "f16" and plan.tile_tokens not in (16, 32):
         raise ValueError(f"argument 'mma'='f16' needs a token tile of 16 or 32, the plan has {plan.tile_tokens}")
-    if mma == "f16":  # the activations as f16 (M x K x 2 bytes) follow the scales in the scratch
-        # (hopper_gemm.cuh HopperGemmF16ActivationBytes)
-        return dataclasses.replace(plan, mma=mma, scratch_bytes=plan.scratch_bytes + _align256(2 * m * k))
-    return dataclasses.replace(plan, mma=mma)
+    extra = _align256(2 * m * k) if mma == "f16" else 0
+    return dataclasses.replace(plan, mma=mma, scratch_bytes=plan.scratch_bytes + extra)
 
 
 def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | None = None,
@@ -306,17 +311,9 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
         tile_tokens = min(_tile_for(rows, spread=True), 64)
     if tile_tokens not in TILE_TOKENS[:3]:
         raise ValueError(f"argument 'tile_tokens' must be None, 16, 32 or 64 for the fused kernel, got {tile_tokens!r}")
-    if mma is None:
-        mma = "e4m3"
-    if mma not in MMAS:
-        raise ValueError(f"argument 'mma' must be None or one of {MMAS}, got {mma!r}")
-    if mma == "f16" and tile_tokens not in (16, 32):
-        raise ValueError(f"argument 'mma'='f16' needs a token tile of 16 or 32, the plan has {tile_tokens}")
     plan = _plan(m, 1, inter, k, e, rows, tile_tokens, num_sms)
     scratch = _align256((k // 128) * (-(-m // 4) * 4) * 4)
-    if mma == "f16":  # hopper_gemm.cuh HopperGemmF16ActivationBytes
-        scratch += _align256(2 * m * k)
-    return GemmPlan(plan.tile_tokens, 1, scratch, plan.units, mma=mma)
+    return _with_mma(GemmPlan(plan.tile_tokens, 1, scratch, plan.units), mma or "e4m3", m, k)
 
 
 def _einsum_tile(m: int, block_scaled: bool) -> int:

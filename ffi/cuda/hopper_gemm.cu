@@ -1165,9 +1165,8 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, w_rows, p.b, kInt4 ? kKGroup / 2 : kKGroup,
                      kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
   if constexpr (kF16) {  // the f16 activations in xh, 64 K (128 bytes) per box row
-    ok = ok && p.xh != nullptr &&
-         Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, p.xh, p.k, p.h, p.m, kKGroup / 2, 1, kTok,
-                  CU_TENSOR_MAP_SWIZZLE_128B);
+    ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, p.xh, p.k, p.h, p.m, kKGroup / 2, 1, kTok,
+                        CU_TENSOR_MAP_SWIZZLE_128B);  // p.xh checked by LaunchHopperGemm
   } else {
     ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.x, p.k, p.h, p.m, kKGroup, 1, kTok,
                         CU_TENSOR_MAP_SWIZZLE_128B);
