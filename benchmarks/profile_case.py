@@ -6,7 +6,8 @@
     ncu --import decode64.ncu-rep --page source --print-source sass --csv > decode64.csv
     python benchmarks/ncu_summary.py decode64.csv
 
-Cases: decode64 (grouped gate+up, 32 experts, M = 64: the 16-token f16 kernel under stream-K), absorb_o1
+Cases: decode64 (grouped gate+up, 32 experts, M = 64: the 16-token f16 kernel under stream-K), down64 (the
+down projection, N = 7168, K = 2048, same kernel), absorb_o1
 (MLA absorb_o, 128 heads, b = 1), kv_a1 (576 x 7168 at one token), square4096 (einsum M = N = K = 7168 /
 4096 tokens: the 192-token kernel). Each runs twice (the first call compiles), so `--launch-skip 1` takes
 the second launch.
@@ -23,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_w4a8 import ops  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
-CASES = ("decode64", "absorb_o1", "kv_a1", "square4096")
+CASES = ("decode64", "down64", "absorb_o1", "kv_a1", "square4096")
 
 
 def _einsum_case(key, eq, x_shape, w_shape):
@@ -37,6 +38,8 @@ def _einsum_case(key, eq, x_shape, w_shape):
 def build(case, key):
     if case == "decode64":  # probe_kernels.py's grouped case: 32 experts, gate+up N = 4096, K = 7168
         return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 64, 4096, 7168, 0)
+    if case == "down64":
+        return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 64, 7168, 2048, 0)
     if case == "absorb_o1":
         return _einsum_case(key, "bhr,hdr->bhd", (1, 128, 512), (128, 128, 512))
     if case == "kv_a1":

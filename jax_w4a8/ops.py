@@ -108,8 +108,9 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
       out_dtype: bfloat16 (default) or float32; float16 is refused.
       impl: "auto", "ffi" or "reference" (module docstring).
       rows_per_expert: optional hint of the expected rows per expert (default M / E) for the CUDA
-        tile choice; tile_tokens: force a token tile (16, 32, 64, 128, or 0 for the plain CUDA-core
-        kernel); mma: force the tensor-core operand format, "e4m3" or "f16" (token tiles 16, 32);
+        tile choice; tile_tokens: force a token tile (8 (f16 MMA only), 16, 32, 64, 128, or 0 for the
+        plain CUDA-core kernel); mma: force the tensor-core operand format, "e4m3" or "f16" (token
+        tiles 8, 16, 32);
         kernel: None (the plan chooses), "native" (this library's kernels) or "cutlass" (prefill: the
         int4 weights of experts with rows converted to e4m3 once per call, exactly, then CUTLASS's
         grouped FP8 GEMM with per-row scales; bfloat16 output, N a multiple of 8; its scratch holds up
@@ -423,7 +424,8 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
       w13: int8 packed int4 [E, 2I, K/2], gate rows first; w13_scale: float32/bfloat16 [E, 2I, K/128].
       down_input_scale: optional float32 scalar.
       rows_per_expert, tile_tokens: the fused kernel's tile plan, as :func:`w4a8_grouped_gemm` (token
-        tiles 16, 32 or 64); mma: its tensor-core operand format, "e4m3" or "f16" (token tiles 16 and
+        tiles 8 (f16 only), 16, 32 or 64); mma: its tensor-core operand format, None (the plan: f16 at
+        8- to 32-token tiles, else e4m3), "e4m3" or "f16" (token tiles 8, 16 and
         32); see :func:`jax_w4a8.tiling.plan_moe_up`.
     Returns:
       (h8 float8_e4m3fn [M, I], scale): float32 [M, I // 128] (dynamic) or the scalar (static). Rows
@@ -431,7 +433,8 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     Raises:
       TypeError / ValueError naming the argument, at trace time, before any kernel runs: bad shapes or
       dtypes (as :func:`w4a8_grouped_gemm`), ``w13`` without gate and up halves, a non-scalar
-      ``down_input_scale``, an unknown ``tile_tokens`` or ``mma``, or ``mma="f16"`` with a 64-token tile.
+      ``down_input_scale``, an unknown ``tile_tokens`` or ``mma``, ``mma="f16"`` with a 64-token tile, or
+      ``mma="e4m3"`` with an 8-token tile.
     """
     op = "w4a8_moe_up"
     _check_impl(op, impl)

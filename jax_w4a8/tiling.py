@@ -9,9 +9,17 @@ group per pipeline stage. One exception: the block-scaled einsum (one weight sca
 three of them) and the 128 weight rows on its N side, which makes the per-group promotion two scale
 products and one FMA per accumulator. The heuristic:
 
-* ``tile_tokens``: the smallest of 16, 32, 64, 128 that holds the rows of one batch: all M rows of
-  a head of the einsum, or for the grouped GEMM the expected rows of an expert plus two standard
-  deviations of routing spread (``r + 2 sqrt(r)``, Poisson-like). An expert whose rows overflow
+* ``tile_tokens``: the smallest of 16, 32, 64, 128 (the grouped GEMM and the fused up-projection: 8,
+  16, 32, 64, 128) that holds the rows of one batch: all M rows of a head of the einsum, or for the
+  grouped GEMM the expected rows of an expert plus two standard deviations of routing spread
+  (``r + 2 sqrt(r)``, Poisson-like). The 8-token tile exists for int4 weights with the f16 MMA
+  (``m64n8k16``): at about 2-4 rows per expert it loads half the activation bytes of a 16-token tile
+  per 128 weight rows. H200, bench_grouped_gemm.py's run, 32 experts, M = 64: gate+up 158.9 us (69%
+  of copy bandwidth) vs 170 at 16 tokens, down 94.0 vs 110; six probe runs (same process each), us, 8
+  vs 16 tokens: gate+up M = 64 158-161 vs 167-182 in five, 181 vs 178-180 in one; M = 128 176 vs 204 and
+  211 vs 201-211; down M = 64 96-103 vs 105-109; M = 128 107 vs 110 and 110 vs 117-135. Three blocks
+  per SM at 8 tokens (72-register consumers) spilled in the main loop and lost (gate+up / down M = 64
+  204 / 128 vs 181 / 100 us). An expert whose rows overflow
   the tile gets a second token tile, which reads all of its weights again: at decode that costs
   far more than a wider MMA (16 rows per expert: tile 32, not 16). Prefill uses 128 for arithmetic
   intensity; the block-scaled einsum uses 192 from M = 2048 where that pads M by at most 10% more
@@ -40,14 +48,16 @@ products and one FMA per accumulator. The heuristic:
   about 3.3 waves of units 30% full. H200, same run, 32 experts, 64 rows: gate+up 234 -> 211 us,
   down 141 -> 129 us; at 256 rows (every expert busy, no stream-K) forcing it gave gate+up
   255 -> 244 but down 133 -> 152, and from 512 rows it lost 10-60%.
-* ``mma`` (int4 weights, grouped GEMM): the tensor-core operand format. ``"e4m3"``: the int4 codes
-  become e4m3 in registers and meet the fp8 activations in an fp8 MMA. ``"f16"`` (token tiles 16
-  and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
+* ``mma`` (int4 weights, grouped GEMM and fused up-projection): the tensor-core operand format.
+  ``"e4m3"``: the int4 codes become e4m3 in registers and meet the fp8 activations in an fp8 MMA.
+  ``"f16"`` (token tiles 8, 16 and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
   fourteen integer ones; at decode the integer pipe is the limit) and meet the activations as f16,
   converted once per call by the scale-preparation kernel into the scratch (2 M K bytes, in the K
   order of the weight fragments) and loaded by TMA like the e4m3 tiles; an f16 MMA with float32
   accumulation. Both are exact (int4 and e4m3 values are f16 values, products exact in float32). The
-  plan takes f16 at both tiles. H200, same runs (two rounds, one process per build), us, f16 with the
+  plans take f16 at these tiles, the fused up-projection's too (H200, same run, gate+up M = 512:
+  fused f16 268 us, fused e4m3 327, unfused GEMM + SiLU-mul + quantize 284; skewed routing 379 / 474
+  / 345). H200, same runs (two rounds, one process per build), us, f16 with the
   once-per-call conversion vs the former per-stage conversion by three producer warps: 16-token tiles
   gate+up 64 / 256 rows 170, 164 / 197, 199 vs 198, 183 / 222, 226; down 104, 113 / 127, 115 vs 119,
   123 / 126, 129; 32-token tiles at 512 rows gate+up 262, 255 vs 316, 312 and down 148, 148 vs 184,
@@ -103,9 +113,12 @@ import math
 import jax
 
 __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "EINSUM_TILE_TOKENS",
+           "GROUPED_TILE_TOKENS", "F16_TILE_TOKENS",
            "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS"]
 
 TILE_TOKENS = (16, 32, 64, 128)
+GROUPED_TILE_TOKENS = (8,) + TILE_TOKENS  # 8: int4 weights with the f16 MMA only
+F16_TILE_TOKENS = (8, 16, 32)  # token tiles of the f16 MMA path
 EINSUM_TILE_TOKENS = (8,) + TILE_TOKENS + (192,)  # 8: the einsum's decode kernel; 192: block-scaled only
 DECODE_MAX_TOKENS = 32  # tile_tokens 8 (ffi/cuda/fp8_decode_gemm.cuh kDecodeMaxTokens)
 _DECODE_TOKENS = 8  # the einsum plan takes the decode kernel up to this many tokens (H200: see docstring)
@@ -142,9 +155,9 @@ def _num_sms() -> int:
         return _DEFAULT_SMS
 
 
-def _tile_for(rows: float, spread: bool) -> int:
+def _tile_for(rows: float, spread: bool, tiles: tuple[int, ...] = TILE_TOKENS) -> int:
     need = rows + 2.0 * math.sqrt(rows) if spread else rows
-    return next((t for t in TILE_TOKENS if need <= t), TILE_TOKENS[-1])
+    return next((t for t in tiles if need <= t), tiles[-1])
 
 
 def _blocks_per_sm(tile_tokens: int) -> int:
@@ -157,7 +170,7 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
           exact: bool = False, allowed: tuple[int, ...] = TILE_TOKENS) -> GemmPlan:
     groups = k // 128
     if tile_tokens is None:
-        tile_tokens = _tile_for(rows, spread)
+        tile_tokens = _tile_for(rows, spread, tuple(t for t in allowed if t <= 128))
     if tile_tokens not in (0,) + allowed:
         raise ValueError(f"argument 'tile_tokens' must be None, 0 or one of {allowed}, got {tile_tokens!r}")
     if tile_tokens == 0:
@@ -252,12 +265,13 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
                       cutlass: bool | None = None) -> GemmPlan:
     """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E.
 
-    ``mma`` None picks the operand format from the tile (module docstring); "e4m3" or "f16" forces it.
+    ``mma`` None picks the operand format from the tile (module docstring); "e4m3" or "f16" forces it
+    ("e4m3" without ``tile_tokens`` keeps the plan off the f16-only 8-token tile).
     ``kernel``: None lets the plan choose (the CUTLASS path for bfloat16 output from
     :func:`cutlass_grouped_min_rows` expected rows per expert, when built with it); "cutlass" or "native"
     forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
     Raises ValueError naming ``tile_tokens``, ``mma`` or ``kernel`` (unknown value; "f16" with a tile other
-    than 16 or 32; a kernel choice these shapes cannot run).
+    than 8, 16 or 32; "e4m3" with tile 8; a kernel choice these shapes cannot run).
     """
     if kernel not in (None,) + GROUPED_KERNELS:
         raise ValueError(f"argument 'kernel' must be None or one of {GROUPED_KERNELS}, got {kernel!r}")
@@ -280,9 +294,11 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
             units = e * max(1, math.ceil(rows / 128)) * math.ceil(n / 128)
             return GemmPlan(128, 1, scratch, units, kernel="cutlass", experts_per_chunk=chunk)
     busy = e if rows_per_expert is not None else _busy_experts(m, e)
-    plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy)
+    # e4m3 asked for without a tile: the plan picks among the e4m3 tiles (8 is the f16 MMA's only)
+    tiles = TILE_TOKENS if (mma == "e4m3" and tile_tokens is None) else GROUPED_TILE_TOKENS
+    plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles)
     if mma is None:  # measured on the H200: f16 wins at 16- and 32-row tiles (module docstring)
-        mma = "f16" if plan.tile_tokens in (16, 32) else "e4m3"
+        mma = "f16" if plan.tile_tokens in F16_TILE_TOKENS else "e4m3"
     return _with_mma(plan, mma, m, k)
 
 
@@ -292,8 +308,10 @@ def _with_mma(plan: GemmPlan, mma: str, m: int, k: int) -> GemmPlan:
     the scratch."""
     if mma not in MMAS:
         raise ValueError(f"argument 'mma' must be None or one of {MMAS}, got {mma!r}")
-    if mma == "f16" and plan.tile_tokens not in (16, 32):
-        raise ValueError(f"argument 'mma'='f16' needs a token tile of 16 or 32, the plan has {plan.tile_tokens}")
+    if mma == "f16" and plan.tile_tokens not in F16_TILE_TOKENS:
+        raise ValueError(f"argument 'mma'='f16' needs a token tile of 8, 16 or 32, the plan has {plan.tile_tokens}")
+    if mma == "e4m3" and plan.tile_tokens == 8:
+        raise ValueError("argument 'tile_tokens'=8 runs the f16 MMA only: leave 'mma' None or pass 'f16'")
     extra = _align256(2 * m * k) if mma == "f16" else 0
     return dataclasses.replace(plan, mma=mma, scratch_bytes=plan.scratch_bytes + extra)
 
@@ -302,18 +320,21 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
                 tile_tokens: int | None = None, num_sms: int | None = None, mma: str | None = None) -> GemmPlan:
     """Plan for the fused ``w4a8_moe_up`` (gate and up accumulators: token tiles up to 64, no split-K).
 
-    ``mma``: the tensor-core operand format as in :func:`plan_grouped_gemm` ("f16" at token tiles 16 and
-    32: the activations as f16, converted once per call, follow the scales in the scratch); None keeps
-    e4m3. Raises ValueError naming ``tile_tokens`` or ``mma``.
+    ``mma``: the tensor-core operand format as in :func:`plan_grouped_gemm` ("f16" at token tiles 8, 16
+    and 32: the activations as f16, converted once per call, follow the scales in the scratch); None
+    takes f16 at those tiles, e4m3 at 64. Raises ValueError naming ``tile_tokens`` or ``mma``.
     """
     rows = rows_per_expert if rows_per_expert is not None else m / e
     if tile_tokens is None:
-        tile_tokens = min(_tile_for(rows, spread=True), 64)
-    if tile_tokens not in TILE_TOKENS[:3]:
-        raise ValueError(f"argument 'tile_tokens' must be None, 16, 32 or 64 for the fused kernel, got {tile_tokens!r}")
-    plan = _plan(m, 1, inter, k, e, rows, tile_tokens, num_sms)
+        tile_tokens = _tile_for(rows, spread=True, tiles=GROUPED_TILE_TOKENS[1 if mma == "e4m3" else 0:4])
+    if tile_tokens not in GROUPED_TILE_TOKENS[:4]:
+        raise ValueError(f"argument 'tile_tokens' must be None, 8, 16, 32 or 64 for the fused kernel, "
+                         f"got {tile_tokens!r}")
+    plan = _plan(m, 1, inter, k, e, rows, tile_tokens, num_sms, allowed=GROUPED_TILE_TOKENS)
     scratch = _align256((k // 128) * (-(-m // 4) * 4) * 4)
-    return _with_mma(GemmPlan(plan.tile_tokens, 1, scratch, plan.units), mma or "e4m3", m, k)
+    if mma is None:  # as the grouped GEMM's plan: f16 at 8- to 32-token tiles (H200: module docstring)
+        mma = "f16" if tile_tokens in F16_TILE_TOKENS else "e4m3"
+    return _with_mma(GemmPlan(plan.tile_tokens, 1, scratch, plan.units), mma, m, k)
 
 
 def _einsum_tile(m: int, block_scaled: bool) -> int:

@@ -25,8 +25,10 @@ def main() -> int:
     x8, xs = quant.quantize_fp8_groups(rng.standard_normal((45, 256)).astype(np.float32))
     for sizes in ([10, 0, 30], [-4, 2**31 - 1, 9], [0, 0, 0]):
         args = (x8, xs, w, ws, jnp.asarray(sizes, jnp.int32))
-        for mma in ("e4m3", "f16"):  # both tensor-core operand formats (f16: x converted once per call)
-            out = jax.jit(lambda *a, mma=mma: ops.w4a8_grouped_gemm(*a, impl="ffi", mma=mma))(*args)
+        # both tensor-core operand formats (f16: x converted once per call), and the 8-token f16 tile
+        for mma, tok in (("e4m3", None), ("f16", None), ("f16", 8)):
+            out = jax.jit(lambda *a, mma=mma, tok=tok: ops.w4a8_grouped_gemm(*a, impl="ffi", mma=mma,
+                                                                                tile_tokens=tok))(*args)
             ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3
             covered = min(sum(max(v, 0) for v in sizes), 45)
             ok &= bool((np.asarray(out.astype(jnp.float32))[covered:] == 0).all())  # padding rows: zero
@@ -77,7 +79,7 @@ def main() -> int:
     w13, s13 = quant.quantize_w4(rng.standard_normal((3, 256, 256)).astype(np.float32))
     args = (x8, xs, w13, s13, jnp.asarray([10, 0, 30], jnp.int32))
     r8 = np.asarray(jax.jit(lambda *a: ops.w4a8_moe_up(*a, impl="reference")[0])(*args)).view(np.uint8)
-    for tok, mma in ((16, "e4m3"), (64, "e4m3"), (16, "f16"), (32, "f16")):
+    for tok, mma in ((16, "e4m3"), (64, "e4m3"), (8, "f16"), (16, "f16"), (32, "f16")):
         h8, hs = jax.jit(lambda *a, tok=tok, mma=mma: ops.w4a8_moe_up(*a, tile_tokens=tok, mma=mma))(*args)
         ok &= np.mean(np.asarray(h8).view(np.uint8) == r8) > 0.97
     q8, qs = jax.jit(lambda v: ops.quantize_fp8_groups(v, ue8m0=True, impl="ffi"))(

@@ -77,8 +77,8 @@ def test_every_tile_configuration_is_built(kernels):
                    for rows in ("token rows", "token rows, stream-K")}
                 | {(t, True, 1, False) for t in (16, 32, 64, 128)}  # int4 grouped GEMM, e4m3 MMA
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
-                | {(t, True, 1, True) for t in (16, 32)}  # int4 grouped GEMM, f16 MMA
-                | {(t, True, 2, True) for t in (16, 32)})  # fused up-projection, f16 MMA
+                | {(t, True, 1, True) for t in (8, 16, 32)}  # int4 grouped GEMM, f16 MMA
+                | {(t, True, 2, True) for t in (8, 16, 32)})  # fused up-projection, f16 MMA
     assert set(kernels) == expected
 
 

@@ -15,7 +15,9 @@ def test_decode_tile_covers_routing_spread():
     # 16 rows per expert on average: about 40% of experts get more than 16, so a 16-row tile would
     # read their weights twice; the plan takes 32.
     assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS).tile_tokens == 32
-    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).tile_tokens == 16
+    assert tiling.plan_grouped_gemm(256, 32, 4096, 7168, num_sms=SMS).tile_tokens == 16
+    # 2 rows per expert: 8-row tiles (the f16 MMA's smallest; half the activation bytes of 16 per weight tile)
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).tile_tokens == 8
     assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS).tile_tokens == 128
     # An explicit hint is the expected count; the spread is still covered.
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, rows_per_expert=30, num_sms=SMS).tile_tokens == 64
@@ -39,7 +41,7 @@ def test_batch_one_decode_splits_k():
     # One token, top-8: about one expert of 32 busy -> 32 units; K is split to fill the GPU.
     plan = tiling.plan_grouped_gemm(1, 32, 4096, 7168, num_sms=SMS)
     assert plan.split_k > 4
-    assert plan.scratch_bytes >= SMS * 2 * 2 * 16 * 128 * 4  # two partial tiles per resident block
+    assert plan.scratch_bytes >= SMS * 2 * 2 * plan.tile_tokens * 128 * 4  # two partial tiles per resident block
 
 
 def test_no_split_once_the_gpu_is_full():
@@ -60,7 +62,7 @@ def test_stream_k_when_experts_are_expected_empty(m, split):
         plan = tiling.plan_grouped_gemm(m, 32, n, k, num_sms=SMS)
         assert (plan.split_k > 1) == split, (m, n, k, plan)
         if split:  # the scales, the piece counters and two partial tiles per resident block
-            assert plan.scratch_bytes >= (k // 128) * m * 4 + SMS * 2 * 2 * 16 * 128 * 4
+            assert plan.scratch_bytes >= (k // 128) * m * 4 + SMS * 2 * 2 * plan.tile_tokens * 128 * 4
     # A hint of rows per expert means every expert is busy: no stream-K.
     assert tiling.plan_grouped_gemm(m, 32, 4096, 7168, rows_per_expert=m / 32, num_sms=SMS).split_k == 1
 
@@ -77,10 +79,11 @@ def test_busy_experts_matches_simulation():
 
 
 def test_fused_plan_f16_holds_the_f16_activations():
-    e4 = tiling.plan_moe_up(64, 32, 2048, 7168, num_sms=SMS)
-    f16 = tiling.plan_moe_up(64, 32, 2048, 7168, num_sms=SMS, mma="f16")
+    e4 = tiling.plan_moe_up(256, 32, 2048, 7168, num_sms=SMS, mma="e4m3")
+    f16 = tiling.plan_moe_up(256, 32, 2048, 7168, num_sms=SMS)  # the default at 8- to 32-row tiles
     assert (e4.mma, f16.mma, f16.tile_tokens) == ("e4m3", "f16", 16)
-    assert f16.scratch_bytes == e4.scratch_bytes + 2 * 64 * 7168  # [M, K] f16 after the scales
+    assert tiling.plan_moe_up(64, 32, 2048, 7168, num_sms=SMS).tile_tokens == 8
+    assert f16.scratch_bytes == e4.scratch_bytes + 2 * 256 * 7168  # [M, K] f16 after the scales
     with pytest.raises(ValueError, match="'mma'"):
         tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS, mma="f16")  # 64-token tiles: e4m3 only
 
@@ -213,9 +216,13 @@ def test_einsum_decode_kernel_plan():
     assert tiling.plan_fp8_einsum(32, 1, 576, 7168, tile_tokens=8).tile_tokens == 8
     with pytest.raises(ValueError, match="'tile_tokens'=8"):
         tiling.plan_fp8_einsum(33, 1, 576, 7168, tile_tokens=8)
-    # The grouped GEMM has no such kernel.
-    with pytest.raises(ValueError, match="tile_tokens"):
-        tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=8)
+    # The grouped GEMM's 8-token tile is its f16-MMA kernel (not the einsum's decode kernel): e4m3 is refused.
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=8).mma == "f16"
+    with pytest.raises(ValueError, match="'tile_tokens'=8"):
+        tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=8, mma="e4m3")
+    assert tiling.plan_moe_up(64, 32, 2048, 7168, tile_tokens=8).mma == "f16"
+    with pytest.raises(ValueError, match="'tile_tokens'=8"):
+        tiling.plan_moe_up(64, 32, 2048, 7168, tile_tokens=8, mma="e4m3")
 
 
 def test_grouped_gemm_plans_cutlass_from_its_row_threshold():

@@ -200,7 +200,7 @@ def _check_scenario_on_gpu(rng, device, scenario, **options):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("tile_tokens", [0, 16, 32, 64, 128])
+@pytest.mark.parametrize("tile_tokens", [0, 8, 16, 32, 64, 128])
 def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
     """The tensor-core kernel at every token tile (0 = simple kernel), split-K and not, vs float64."""
     if device.platform != "gpu":
@@ -209,7 +209,8 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_tokens, mma", [(16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"), (64, "e4m3")])
+@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"),
+                                             (64, "e4m3")])
 def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma):
     """Same inputs, 16 calls: every element of every call near float64, not just the norm.
 
@@ -254,6 +255,8 @@ def test_mma_option_is_checked(rng):
         ops.w4a8_grouped_gemm(**a, mma="int8")
     with pytest.raises(ValueError, match="'mma'"):
         ops.w4a8_grouped_gemm(**a, mma="f16", tile_tokens=128)
+    with pytest.raises(ValueError, match="'tile_tokens'=8"):  # the 8-token tile exists for the f16 MMA only
+        ops.w4a8_grouped_gemm(**a, mma="e4m3", tile_tokens=8)
 
 
 # ------------------------------------------------------------------------------------ CUTLASS path

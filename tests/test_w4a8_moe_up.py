@@ -52,7 +52,8 @@ def test_matches_float64(rng, device, static):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_tokens, mma", [(16, "e4m3"), (32, "e4m3"), (64, "e4m3"), (16, "f16"), (32, "f16")])
+@pytest.mark.parametrize("tile_tokens, mma", [(16, "e4m3"), (32, "e4m3"), (64, "e4m3"), (8, "f16"), (16, "f16"),
+                                             (32, "f16")])
 @pytest.mark.parametrize("static", [False, True])
 def test_fused_kernel_every_tile(rng, device, tile_tokens, mma, static):
     if device.platform != "gpu":

@@ -10,7 +10,7 @@
 //                allow, two groups are in flight per warpgroup (ping-pong accumulators); where one is
 //                (128-token prefill tiles), the two warpgroups take turns issuing MMAs, so one promotes
 //                while the other's MMAs run.
-//   f16 MMA path (int4 weights, int4_f16, token tiles 16 / 32): the consumers convert int4 to f16
+//   f16 MMA path (int4 weights, int4_f16, token tiles 8 / 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions); the activations were converted to f16 in the
 //                matching K order once per call by the preparation kernel (ConvertXToF16), and the
 //                producer loads them by TMA like the e4m3 tiles.
@@ -392,7 +392,8 @@ __device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t
 
 template <int kTok>
 __device__ __forceinline__ void WgmmaF16Rs(float (&d)[kTok / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
-  if constexpr (kTok == 16) sm90::WgmmaF16RsN16(d, a, b, scale_d);
+  if constexpr (kTok == 8) sm90::WgmmaF16RsN8(d, a, b, scale_d);
+  else if constexpr (kTok == 16) sm90::WgmmaF16RsN16(d, a, b, scale_d);
   else sm90::WgmmaF16RsN32(d, a, b, scale_d);
 }
 
@@ -1208,6 +1209,7 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
   if constexpr (kInt4) {
     if (p.int4_f16) {
       switch (p.tile_tokens) {
+        case 8: return Launch<8, true, 1, true>(p, stream, dev);
         case 16: return Launch<16, true, 1, true>(p, stream, dev);
         case 32: return Launch<32, true, 1, true>(p, stream, dev);
         default: return cudaErrorInvalidValue;
@@ -1238,6 +1240,7 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
 cudaError_t LaunchFusedUp(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   if (p.int4_f16) {
     switch (p.tile_tokens) {
+      case 8: return Launch<8, true, 2, true>(p, stream, dev);
       case 16: return Launch<16, true, 2, true>(p, stream, dev);
       case 32: return Launch<32, true, 2, true>(p, stream, dev);
       default: return cudaErrorInvalidValue;
@@ -1268,9 +1271,12 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   if (p.m >= (int64_t{1} << 31) || p.f >= (int64_t{1} << 31) || p.h >= (int64_t{1} << 31)) {
     *why = "dimension too large for TMA coordinates"; return false;
   }
-  if (p.tile_tokens != 16 && p.tile_tokens != 32 && p.tile_tokens != 64 && p.tile_tokens != 128 &&
-      p.tile_tokens != 192) {
-    *why = "tile_tokens must be 16, 32, 64, 128 or 192"; return false;
+  if (p.tile_tokens != 8 && p.tile_tokens != 16 && p.tile_tokens != 32 && p.tile_tokens != 64 &&
+      p.tile_tokens != 128 && p.tile_tokens != 192) {
+    *why = "tile_tokens must be 8, 16, 32, 64, 128 or 192"; return false;
+  }
+  if (p.tile_tokens == 8 && !(p.w_int4 && p.int4_f16)) {
+    *why = "tile_tokens 8 is for int4 weights with the f16 MMA"; return false;
   }
   if (p.tile_tokens == 192 && (p.w_int4 || p.sw_row_shift != 7)) {
     *why = "tile_tokens 192 is for the block-scaled fp8 einsum (one weight scale per 128 rows)"; return false;

@@ -307,6 +307,18 @@ __device__ __forceinline__ void WgmmaE4m3RsN128(float (&d)[64], const uint32_t (
 // K columns 2 * (lane % 4) + {0, 1} and + 8: a[0] = (r, k), a[1] = (r + 8, k), a[2] = (r, k + 8),
 // a[3] = (r + 8, k + 8); B K-major in shared memory (descriptor).
 
+// D[64 x 8] (+)= A[64 x 16] * B[8 x 16]^T.
+__device__ __forceinline__ void WgmmaF16RsN8(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
+      "{"
+      "%0, %1, %2, %3"
+      "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
+}
+
 // D[64 x 16] (+)= A[64 x 16] * B[16 x 16]^T.
 __device__ __forceinline__ void WgmmaF16RsN16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
   asm volatile(
