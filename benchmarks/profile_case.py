@@ -6,8 +6,8 @@
     ncu --import decode64.ncu-rep --page source --print-source sass --csv > decode64.csv
     python benchmarks/ncu_summary.py decode64.csv
 
-Cases: decode64 (grouped gate+up, 32 experts, M = 64: the 16-token f16 kernel under stream-K), down64 (the
-down projection, N = 7168, K = 2048, same kernel), absorb_o1
+Cases: decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
+(the down projection, N = 7168, K = 2048, same kernel), absorb_o1
 (MLA absorb_o, 128 heads, b = 1), kv_a1 (576 x 7168 at one token), square4096 (einsum M = N = K = 7168 /
 4096 tokens: the 192-token kernel). Each runs twice (the first call compiles), so `--launch-skip 1` takes
 the second launch.

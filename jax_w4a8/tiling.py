@@ -9,8 +9,9 @@ group per pipeline stage. One exception: the block-scaled einsum (one weight sca
 three of them) and the 128 weight rows on its N side, which makes the per-group promotion two scale
 products and one FMA per accumulator. The heuristic:
 
-* ``tile_tokens``: the smallest of 16, 32, 64, 128 (the grouped GEMM and the fused up-projection: 8,
-  16, 32, 64, 128) that holds the rows of one batch: all M rows of a head of the einsum, or for the
+* ``tile_tokens``: the smallest of 16, 32, 64, 128 (the grouped GEMM: 8, 16, 32, 64, 128; the fused
+  up-projection: 8, 16, 32, 64; 8 only with the f16 MMA, so ``mma="e4m3"`` never gets it) that holds
+  the rows of one batch: all M rows of a head of the einsum, or for the
   grouped GEMM the expected rows of an expert plus two standard deviations of routing spread
   (``r + 2 sqrt(r)``, Poisson-like). The 8-token tile exists for int4 weights with the f16 MMA
   (``m64n8k16``): at about 2-4 rows per expert it loads half the activation bytes of a 16-token tile
@@ -137,7 +138,8 @@ _CUTLASS_WAVE_TILES = 128  # from 64 rows per head: with a full wave of tiles an
 class GemmPlan:
     """Static launch plan of one CUDA GEMM call (what the benchmark prints)."""
 
-    tile_tokens: int  # 0 (simple kernel), 8 (einsum decode kernel), 16, 32, 64, 128 or (block-scaled einsum) 192
+    tile_tokens: int  # 0 (simple kernel), 8 (einsum: its decode kernel; int4: the f16 MMA's 8-token tile), 16, 32,
+    # 64, 128 or (block-scaled einsum) 192
     split_k: int
     scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ f16 activations with mma "f16"; + split-K
     # piece counters and partial tiles)
@@ -297,7 +299,7 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     # e4m3 asked for without a tile: the plan picks among the e4m3 tiles (8 is the f16 MMA's only)
     tiles = TILE_TOKENS if (mma == "e4m3" and tile_tokens is None) else GROUPED_TILE_TOKENS
     plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles)
-    if mma is None:  # measured on the H200: f16 wins at 16- and 32-row tiles (module docstring)
+    if mma is None:  # measured on the H200: f16 wins at 8- to 32-row tiles (module docstring)
         mma = "f16" if plan.tile_tokens in F16_TILE_TOKENS else "e4m3"
     return _with_mma(plan, mma, m, k)
 
@@ -309,7 +311,8 @@ def _with_mma(plan: GemmPlan, mma: str, m: int, k: int) -> GemmPlan:
     if mma not in MMAS:
         raise ValueError(f"argument 'mma' must be None or one of {MMAS}, got {mma!r}")
     if mma == "f16" and plan.tile_tokens not in F16_TILE_TOKENS:
-        raise ValueError(f"argument 'mma'='f16' needs a token tile of 8, 16 or 32, the plan has {plan.tile_tokens}")
+        raise ValueError(f"argument 'mma'='f16' runs token tiles of 8, 16 or 32; the plan for these shapes has "
+                         f"{plan.tile_tokens} (pass 'tile_tokens' to force one)")
     if mma == "e4m3" and plan.tile_tokens == 8:
         raise ValueError("argument 'tile_tokens'=8 runs the f16 MMA only: leave 'mma' None or pass 'f16'")
     extra = _align256(2 * m * k) if mma == "f16" else 0

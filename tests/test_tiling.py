@@ -96,7 +96,7 @@ def test_fused_plan_caps_tile_and_never_splits():
 
 
 def test_mma_format_follows_the_tile():
-    # f16 operands at 16- and 32-row (decode) tiles, e4m3 from 64 rows; an explicit choice is kept or refused.
+    # f16 operands at 8- to 32-row (decode) tiles, e4m3 from 64 rows; an explicit choice is kept or refused.
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).mma == "f16"
     assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS).mma == "f16"
     assert tiling.plan_grouped_gemm(1024, 32, 4096, 7168, num_sms=SMS).tile_tokens == 64

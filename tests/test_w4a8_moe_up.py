@@ -87,7 +87,7 @@ def test_bad_inputs(rng):
         ops.w4a8_moe_up(*args, tile_tokens=128)
     with pytest.raises(ValueError, match="'tile_tokens'"):
         ops.w4a8_moe_up(*args, tile_tokens=128, impl="reference")
-    with pytest.raises(ValueError, match="'mma'"):  # the f16 MMA has token tiles 16 and 32 only
+    with pytest.raises(ValueError, match="'mma'"):  # the f16 MMA has token tiles 8, 16 and 32 only
         ops.w4a8_moe_up(*args, tile_tokens=64, mma="f16")
     with pytest.raises(ValueError, match="'mma'"):
         ops.w4a8_moe_up(*args, mma="bf16", impl="reference")

@@ -154,6 +154,14 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (split_k < 1 || split_k > d.groups) return Invalid("w4a8_grouped_gemm", "split_k must be in [1, K/128]");
   if (mma != 0 && mma != 1) return Invalid("w4a8_grouped_gemm", "mma must be 0 (e4m3) or 1 (f16)");
   if (kernel != 0 && kernel != 1) return Invalid("w4a8_grouped_gemm", "kernel must be 0 (native) or 1 (cutlass)");
+  // Option errors are errors (the simple kernel below stands in only for what the platform cannot run).
+  if (tile_tokens != 0 && tile_tokens != 8 && tile_tokens != 16 && tile_tokens != 32 && tile_tokens != 64 &&
+      tile_tokens != 128)
+    return Invalid("w4a8_grouped_gemm", "tile_tokens must be 0, 8, 16, 32, 64 or 128");
+  if (kernel == 0 && mma == 1 && tile_tokens > 32)
+    return Invalid("w4a8_grouped_gemm", "mma 1 (f16) runs token tiles 8, 16 and 32");
+  if (kernel == 0 && mma == 0 && tile_tokens == 8)
+    return Invalid("w4a8_grouped_gemm", "tile_tokens 8 runs the f16 MMA (mma 1) only");
   if (d.m == 0) return ffi::Error::Success();
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
   if (kernel == 1) {  // CUTLASS's grouped FP8 GEMM on e4m3-converted weights (w4a8_grouped_cutlass.cu)
