@@ -1,6 +1,7 @@
 // The Python modules jax_w4a8._lib._ffi_cpu and jax_w4a8._lib._ffi_cuda (this file compiled twice,
 // with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule}; the
-// CUDA module also has built_with_cutlass().
+// CUDA module also has built_with_cutlass() and the scratch each CUDA handler checks for a plan
+// (w4a8_grouped_gemm_scratch, w4a8_moe_up_scratch, fp8_einsum_scratch; tests/test_tiling.py).
 // Target names must match jax_w4a8/_ffi.py:TARGETS.
 #include <nanobind/nanobind.h>
 
@@ -23,6 +24,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxW4a8MoeUpCuda);  // CUDA only: other platforms
 namespace jax_w4a8 {
 bool CutlassBlockwiseBuilt();  // ffi/cuda/fp8_blockwise_cutlass.cu
 bool W4a8CutlassBuilt();       // ffi/cuda/w4a8_grouped_cutlass.cu
+// The scratch the CUDA handlers check for a plan (hopper_gemm.cuh, w4a8_grouped_cutlass.cuh, fp8_blockwise_cutlass.cuh)
+size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16);
+size_t W4a8MoeUpScratchNeed(int64_t m, int64_t inter, int64_t k, bool f16);
+size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,
+                              int64_t grouped_batches);
+size_t W4a8CutlassScratchBytes(int64_t m, int64_t e, int64_t n, int64_t k, int64_t experts_per_chunk);
+size_t CutlassBlockwiseScratchBytes(int64_t m, int64_t h, int64_t n, int64_t k, bool w_ue8m0);
 }
 #endif
 
@@ -50,5 +58,19 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
 #if defined(JAX_W4A8_CUDA)
   // Whether the fp8 einsum's CUTLASS prefill kernel was compiled in (jax_w4a8.tiling plans it only then).
   m.def("built_with_cutlass", []() { return jax_w4a8::CutlassBlockwiseBuilt() && jax_w4a8::W4a8CutlassBuilt(); });
+  // The scratch bytes each CUDA handler checks for a plan (tests compare jax_w4a8.tiling's plans with them).
+  m.def("w4a8_grouped_gemm_scratch", [](int64_t m_, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k,
+                                        bool f16, bool cutlass, int64_t experts_per_chunk) {
+    return cutlass ? jax_w4a8::W4a8CutlassScratchBytes(m_, e, n, k, experts_per_chunk)
+                   : jax_w4a8::W4a8GroupedGemmScratchNeed(m_, e, n, k, tile_tokens, split_k, f16);
+  });
+  m.def("w4a8_moe_up_scratch", [](int64_t m_, int64_t inter, int64_t k, bool f16) {
+    return jax_w4a8::W4a8MoeUpScratchNeed(m_, inter, k, f16);
+  });
+  m.def("fp8_einsum_scratch", [](int64_t m_, int64_t h, int64_t n, int64_t k, int tile_tokens, int split_k,
+                                 bool cutlass, bool w_ue8m0) -> size_t {
+    if (cutlass) return jax_w4a8::CutlassBlockwiseScratchBytes(m_, h, n, k, w_ue8m0);
+    return tile_tokens == 8 ? 0 : jax_w4a8::HopperGemmScratchBytes(m_, h, n, k, split_k, tile_tokens, 0);
+  });
 #endif
 }

@@ -259,3 +259,56 @@ def test_grouped_gemm_plans_cutlass_from_its_row_threshold():
         plan(16384, 32, 4096, 7168, kernel="cublas")
     with pytest.raises(ValueError, match="'tile_tokens'"):
         plan(16384, 32, 4096, 7168, kernel="cutlass", tile_tokens=128)
+
+
+def _cuda_module():
+    try:
+        import jax_w4a8._lib._ffi_cuda as mod  # noqa: PLC0415 - loads without a GPU (no CUDA call at import)
+    except ImportError:
+        pytest.skip("the CUDA handlers are not built")
+    return mod
+
+
+def _shapes(rng, count):
+    for _ in range(count):
+        m = int(np.exp(rng.uniform(0, np.log(40000))))
+        k = 128 * int(rng.integers(1, 130))
+        n = int(rng.choice([8, 120, 128, 576, 1536, 2048, 4096, 7168])) + int(rng.choice([0, 0, 8, 13]))
+        yield m, n, k
+
+
+def test_plans_hold_the_scratch_the_cuda_handlers_check():
+    # The planner mirrors the scratch sizes of ffi/cuda (the handlers refuse a smaller scratch output): compare
+    # every plan family with the C++ functions the handlers check, through the built CUDA module.
+    mod = _cuda_module()
+    rng = np.random.default_rng(7)
+    for m, n, k in _shapes(rng, 1500):
+        e = int(rng.choice([1, 8, 32, 256]))
+        choices = [{}, {"tile_tokens": int(rng.choice([8, 16, 32]))}, {"tile_tokens": int(rng.choice([64, 128]))},
+                   {"mma": "e4m3"}]
+        for kw in choices:
+            for cutlass in (False, True):
+                try:
+                    p = tiling.plan_grouped_gemm(m, e, n, k, num_sms=SMS, cutlass=cutlass, **kw)
+                except ValueError:
+                    continue
+                need = mod.w4a8_grouped_gemm_scratch(m, e, n, k, p.tile_tokens, p.split_k, p.mma == "f16",
+                                                     p.kernel == "cutlass", p.experts_per_chunk)
+                # exactly the need, but under stream-K: partial-sum slots for every resident block, where the
+                # handler asks for one block's (the kernel's grid is cut to the slots there are)
+                assert p.scratch_bytes == need if p.split_k == 1 else p.scratch_bytes >= need, (m, e, n, k, kw, p, need)
+        inter = 128 * int(rng.integers(1, 40))
+        for tile in (None, 8, 16, 32, 64):
+            for mma in (None, "e4m3", "f16"):
+                try:
+                    p = tiling.plan_moe_up(m, e, inter, k, tile_tokens=tile, mma=mma, num_sms=SMS)
+                except ValueError:
+                    continue
+                assert p.scratch_bytes == mod.w4a8_moe_up_scratch(m, inter, k, p.mma == "f16"), (m, inter, k, p)
+        h = int(rng.choice([1, 16, 128]))
+        mh = max(1, m // h)
+        for block_scaled in (False, True):
+            for cutlass in (False, True):
+                p = tiling.plan_fp8_einsum(mh, h, n, k, block_scaled=block_scaled, num_sms=SMS, cutlass=cutlass)
+                need = mod.fp8_einsum_scratch(mh, h, n, k, p.tile_tokens, p.split_k, p.kernel == "cutlass", True)
+                assert p.scratch_bytes == need if p.split_k == 1 else p.scratch_bytes >= need, (mh, h, n, k, p, need)

@@ -1295,6 +1295,14 @@ size_t HopperGemmF16ActivationBytes(int64_t m, int64_t h, int64_t k) {
   return (static_cast<size_t>(m * h * k) * 2 + 255) / 256 * 256;
 }
 
+size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16) {
+  return HopperGemmScratchBytes(m, 1, n, k, split_k, tile_tokens, e) + (f16 ? HopperGemmF16ActivationBytes(m, 1, k) : 0);
+}
+
+size_t W4a8MoeUpScratchNeed(int64_t m, int64_t inter, int64_t k, bool f16) {
+  return HopperGemmScratchBytes(m, 1, inter, k, 1) + (f16 ? HopperGemmF16ActivationBytes(m, 1, k) : 0);
+}
+
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,
                               int64_t grouped_batches) {
   const int64_t mp = (m + 3) / 4 * 4;

@@ -82,6 +82,12 @@ size_t HopperGemmF16ActivationBytes(int64_t m, int64_t h, int64_t k);
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens = 0,
                               int64_t grouped_batches = 0);
 
+// Scratch the tensor-core handlers check their scratch output against, per plan: w4a8_grouped_gemm (its
+// own kernel; f16: mma 1) and w4a8_moe_up. jax_w4a8.tiling mirrors them; a CPU test compares the two
+// through the CUDA module (module.cc).
+size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16);
+size_t W4a8MoeUpScratchNeed(int64_t m, int64_t inter, int64_t k, bool f16);
+
 // Prepares the activation scales (and clears the split-K piece counters), then runs the GEMM.
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream);
 

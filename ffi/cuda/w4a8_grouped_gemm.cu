@@ -188,7 +188,7 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   }
   // f16 MMA: the activations as f16 follow the scales (then the split-K region).
   const size_t xh_bytes = p.int4_f16 ? HopperGemmF16ActivationBytes(d.m, 1, d.k) : 0;
-  const size_t need = HopperGemmScratchBytes(d.m, 1, d.n, d.k, split_k, tile_tokens, d.e) + xh_bytes;
+  const size_t need = W4a8GroupedGemmScratchNeed(d.m, d.e, d.n, d.k, tile_tokens, split_k, p.int4_f16);
   if (scratch->size_bytes() < need)
     return Invalid("w4a8_grouped_gemm", "scratch output too small for the tile plan (" +
                                             std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");

@@ -35,7 +35,7 @@ ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   if (d.m == 0) return ffi::Error::Success();
   // f16 MMA: the activations as f16 follow the scales.
   const size_t scales_bytes = HopperGemmScratchBytes(d.m, 1, inter, d.k, 1);
-  const size_t need = scales_bytes + (p.int4_f16 ? HopperGemmF16ActivationBytes(d.m, 1, d.k) : 0);
+  const size_t need = W4a8MoeUpScratchNeed(d.m, inter, d.k, p.int4_f16);
   if (scratch->size_bytes() < need)
     return Invalid("w4a8_moe_up", "scratch output too small for the tile plan (" + std::to_string(scratch->size_bytes()) +
                                       " < " + std::to_string(need) + ")");
