@@ -109,6 +109,10 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
   if (split_k < 1 || split_k > d.groups) return Invalid("fp8_einsum", "split_k must be in [1, K/128]");
   if (kernel != 0 && kernel != 1) return Invalid("fp8_einsum", "kernel must be 0 (this library's) or 1 (CUTLASS)");
+  // An option error is an error (the simple kernel stands in only for what the platform cannot run).
+  if (tile_tokens != 0 && tile_tokens != 8 && tile_tokens != 16 && tile_tokens != 32 && tile_tokens != 64 &&
+      tile_tokens != 128 && tile_tokens != 192)
+    return Invalid("fp8_einsum", "tile_tokens must be 0, 8, 16, 32, 64, 128 or 192");
   if (d.m == 0 || d.h == 0) return ffi::Error::Success();
   if (kernel == 1) {
     if (d.w_rows_per_scale == 1 || !d.out_bf16)
