@@ -1204,17 +1204,21 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   return cudaGetLastError();
 }
 
+// The f16 MMA path's token tiles (int4 weights; kParts 2: the fused up-projection).
+template <int kParts>
+cudaError_t LaunchF16(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
+  switch (p.tile_tokens) {
+    case 8: return Launch<8, true, kParts, true>(p, stream, dev);
+    case 16: return Launch<16, true, kParts, true>(p, stream, dev);
+    case 32: return Launch<32, true, kParts, true>(p, stream, dev);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 template <bool kInt4>
 cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   if constexpr (kInt4) {
-    if (p.int4_f16) {
-      switch (p.tile_tokens) {
-        case 8: return Launch<8, true, 1, true>(p, stream, dev);
-        case 16: return Launch<16, true, 1, true>(p, stream, dev);
-        case 32: return Launch<32, true, 1, true>(p, stream, dev);
-        default: return cudaErrorInvalidValue;
-      }
-    }
+    if (p.int4_f16) return LaunchF16<1>(p, stream, dev);
   }
   switch (p.tile_tokens) {
     case 16: return Launch<16, kInt4, 1>(p, stream, dev);
@@ -1238,14 +1242,7 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
 }
 
 cudaError_t LaunchFusedUp(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
-  if (p.int4_f16) {
-    switch (p.tile_tokens) {
-      case 8: return Launch<8, true, 2, true>(p, stream, dev);
-      case 16: return Launch<16, true, 2, true>(p, stream, dev);
-      case 32: return Launch<32, true, 2, true>(p, stream, dev);
-      default: return cudaErrorInvalidValue;
-    }
-  }
+  if (p.int4_f16) return LaunchF16<2>(p, stream, dev);
   switch (p.tile_tokens) {  // gate + up accumulators: token tiles up to 64
     case 16: return Launch<16, true, 2>(p, stream, dev);
     case 32: return Launch<32, true, 2>(p, stream, dev);
