@@ -14,9 +14,10 @@ products and one FMA per accumulator. The heuristic:
   the rows of one batch: all M rows of a head of the einsum, or for the
   grouped GEMM the expected rows of an expert plus two standard deviations of routing spread
   (``r + 2 sqrt(r)``, Poisson-like). The 8-token tile exists for int4 weights with the f16 MMA
-  (``m64n8k16``): at about 2-4 rows per expert it loads half the activation bytes of a 16-token tile
-  per 128 weight rows. H200, bench_grouped_gemm.py's run, 32 experts, M = 64: gate+up 158.9 us (69%
-  of copy bandwidth) vs 170 at 16 tokens, down 94.0 vs 110; six probe runs (same process each), us, 8
+  (warp-level ``mma.sync m16n8k16``): at about 2-4 rows per expert it loads half the activation bytes of a
+  16-token tile per 128 weight rows. H200, bench_grouped_gemm.py's run, 32 experts, M = 64: gate+up 149.8 us
+  (73% of copy bandwidth) vs 175 at 16 tokens, down 98.5 vs 112 (eighteenth session; seventeenth, on the n8
+  wgmma: 158.9 vs 170, 94.0 vs 110); the seventeenth session's six probe runs (same process each), us, 8
   vs 16 tokens: gate+up M = 64 158-161 vs 167-182 in five, 181 vs 178-180 in one; M = 128 176 vs 204 and
   211 vs 201-211; down M = 64 96-103 vs 105-109; M = 128 107 vs 110 and 110 vs 117-135. Three blocks
   per SM at 8 tokens (72-register consumers) spilled in the main loop and lost (gate+up / down M = 64

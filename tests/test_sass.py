@@ -102,6 +102,9 @@ def test_kernels_issue_wgmma_in_their_operand_format(kernels):
         if token_rows:  # tokens are the MMA's M side (64 per warpgroup), the 128 weight rows its N
             assert "QGMMA.64x128x32.F32.E4M3.E4M3" in body, config
             assert "HGMMA" not in body, config
+        elif f16 and tok == 8:  # 8-token tiles: warp-level f16 x f16 -> f32 MMAs (mma.sync m16n8k16)
+            assert "HMMA.16816.F32" in body, config
+            assert "GMMA" not in body, config
         elif f16:  # f16 x f16 -> f32 warpgroup MMA, k16, N = the token tile
             assert f"HGMMA.64x{tok}x16.F32" in body, config
             assert "QGMMA" not in body, config
@@ -115,7 +118,6 @@ def test_kernels_issue_wgmma_in_their_operand_format(kernels):
 # hot loop fails here rather than silently slowing the kernel. Unlisted configurations: none allowed.
 HOT_LOOP_SPILL_BUDGET = {
     (32, False, 1, False): 1,  # fp8 einsum, 32-token tile
-    (32, True, 1, True): 3,  # f16 MMA path, 32-token tile (the plan takes it at about 10-22 rows per expert)
     (32, True, 2, False): 1,  # fused up-projection, 32-token tile
     (192, False, 1, False, "token rows"): 1,  # three consumer warpgroups at 160 registers
     (192, False, 1, False, "token rows, stream-K"): 3,  # the same with the stream-K fix-up
@@ -124,14 +126,14 @@ _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 
 
 def _innermost_mma_loop(body):
-    """Instructions of the smallest backward-branch range that contains a wgmma."""
+    """Instructions of the smallest backward-branch range that contains a wgmma (or, at 8-token tiles, an mma.sync)."""
     ins = [(int(a, 16), text.strip()) for a, text in _INSTRUCTION.findall(body)]
     loops = []
     for addr, text in ins:
         target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
             loops.append((int(target.group(1), 16), addr))
-    with_mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and "GMMA" in t for a, t in ins)]
+    with_mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and re.search(r"\b(HGMMA|QGMMA|HMMA)\b", t) for a, t in ins)]
     assert with_mma, "no loop around the wgmma instructions"
     lo, hi = min(with_mma, key=lambda r: r[1] - r[0])
     return [t for a, t in ins if lo <= a <= hi]
@@ -171,3 +173,22 @@ def test_cutlass_grouped_kernel_issues_fp8_wgmma_without_spills(functions):
     _check_cutlass_fp8_kernel(functions, lambda name: "GroupProblemShape" in name)
     convert = [body for name, body in functions if "ConvertInt4ToE4m3" in name]
     assert len(convert) == 1 and "PRMT" in convert[0]
+
+
+# Instructions per K group in the innermost loop of the int4 decode kernels (nvcc 13.0): weight-scale loads
+# from per-unit row pointers with 32-bit group indices, not 64-bit index arithmetic and a scale-type switch
+# per load (which made a third of the 8-token loop: 204 -> 141 instructions per group, 5-10% faster on the
+# H200). A budget with some slack, so that a change bringing that overhead back fails here.
+HOT_LOOP_INSTRUCTIONS_PER_GROUP = {
+    (8, True, 1, True): 160,  # mma.sync, two groups per loop iteration
+    (16, True, 1, True): 190,  # wgmma, two groups per iteration
+}
+
+
+def test_int4_decode_loops_stay_lean(kernels):
+    for config, per_group in HOT_LOOP_INSTRUCTIONS_PER_GROUP.items():
+        loop = _innermost_mma_loop(kernels[config])
+        mmas = sum(1 for t in loop if re.search(r"\b(HGMMA|HMMA)\b", t))
+        groups = mmas // 8  # 8 K16 steps per 128-K group (one MMA each at these tiles)
+        assert groups >= 1, (config, mmas)
+        assert len(loop) <= per_group * groups, (config, len(loop), groups)

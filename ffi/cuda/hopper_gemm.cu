@@ -13,7 +13,12 @@
 //   f16 MMA path (int4 weights, int4_f16, token tiles 8 / 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions); the activations were converted to f16 in the
 //                matching K order once per call by the preparation kernel (ConvertXToF16), and the
-//                producer loads them by TMA like the e4m3 tiles.
+//                producer loads them by TMA like the e4m3 tiles. 16- and 32-token tiles multiply on
+//                wgmma (weights in registers); 8-token tiles on warp-level mma.sync m16n8k16: each warp
+//                converts and multiplies its own 16 rows, reads the activation fragments with ldmatrix
+//                and frees the stage once its operands are in registers, with the next group's MMAs
+//                in flight while a group is promoted (H200, decode: 5-10% faster than the n8 wgmma,
+//                whose warpgroup waits on every group's MMAs; benchmarks/RESULTS.md).
 // Block-scaled einsum at 128- and 192-token tiles (ConsumeTokenRows): the same stages, but two or three
 //                consumer warpgroups put 64 tokens each on wgmma's A side and the 128 weight rows on
 //                its N side, taking turns.
@@ -70,7 +75,8 @@ struct Layout {
   static constexpr int kWBytes = kParts * kWPartBytes;  // gate and up tiles when fused
   // The activations: e4m3, or on the f16 MMA path f16 (prepared once per call, ConvertXToF16) as two
   // halves of 64 K, each kTok rows of 128 bytes with TMA's 128-byte swizzle (the e4m3 tile's geometry).
-  static constexpr int kXBytes = kTok * kKGroup * (kF16 ? 2 : 1);
+  static constexpr bool kXF16 = kF16;
+  static constexpr int kXBytes = kTok * kKGroup * (kXF16 ? 2 : 1);
   // Activation scales: a box of kTok + 4 floats starting at the token tile's row rounded down to a
   // multiple of 4, since TMA needs the innermost start 16-byte aligned (expert tiles start anywhere).
   static constexpr int kSxBox = kTok + 4;
@@ -142,6 +148,13 @@ __device__ __forceinline__ int64_t WeightScaleBase(const HopperGemmParams& p, in
   const int64_t rows = p.fused_up ? p.f + p.up_offset : p.f;  // fused: gate rows, then up rows
   f = f < rows ? f : rows - 1;
   return (b * p.sw_rows + (f >> p.sw_row_shift)) * groups;
+}
+
+// Scale g of a row of int4 weight scales (float32 or bfloat16, the grouped GEMM's two types) whose group-0
+// scale is at row.
+__device__ __forceinline__ float LoadInt4WeightScale(bool bf16, const uint8_t* row, int g) {
+  return bf16 ? Bf16BitsToFloat(__ldg(reinterpret_cast<const uint16_t*>(row) + g))
+              : __ldg(reinterpret_cast<const float*>(row) + g);
 }
 
 __device__ __forceinline__ float LoadWeightScale(const HopperGemmParams& p, int64_t idx) {
@@ -392,8 +405,7 @@ __device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t
 
 template <int kTok>
 __device__ __forceinline__ void WgmmaF16Rs(float (&d)[kTok / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
-  if constexpr (kTok == 8) sm90::WgmmaF16RsN8(d, a, b, scale_d);
-  else if constexpr (kTok == 16) sm90::WgmmaF16RsN16(d, a, b, scale_d);
+  if constexpr (kTok == 16) sm90::WgmmaF16RsN16(d, a, b, scale_d);
   else sm90::WgmmaF16RsN32(d, a, b, scale_d);
 }
 
@@ -683,9 +695,13 @@ struct Occupancy {
 // while the current one runs) where the second accumulator and A fragments fit the register budget.
 template <int kTok, bool kInt4, int kParts, bool kF16 = false>
 struct Pipeline {
-  // Registers of two slots: accumulators, running total and (int4) A fragments (twice as many as f16).
-  static constexpr int kRegs = 3 * kParts * (kTok / 2) + (kInt4 ? 2 * kParts * (kF16 ? 32 : 16) : 0);
-  static constexpr int kDepth = kRegs <= (Occupancy<kTok, kParts>::kBlocksPerSm == 2 ? 56 : 160) ? 2 : 1;
+  // Registers of two slots: accumulators, running total and (int4, wgmma) A fragments (twice as many as f16).
+  // With mma.sync the fragments are built and used within one K step, so only the accumulators count.
+  // The f16 path's 8-token tiles run on mma.sync (see the consumers), the 16- and 32-token ones on wgmma.
+  static constexpr bool kSync = kF16 && kTok == 8;
+  static constexpr int kRegs = 3 * kParts * (kTok / 2) + (kInt4 && !kSync ? 2 * kParts * (kF16 ? 32 : 16) : 0);
+  static constexpr int kDepth =
+      kRegs <= (kSync ? 24 : Occupancy<kTok, kParts>::kBlocksPerSm == 2 ? 56 : 160) ? 2 : 1;
 };
 
 // kStreamK (token rows only): the split_k > 1 form, with the fix-up that rounds completed units.
@@ -756,7 +772,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
                         static_cast<int>(t.f0 + part * p.up_offset), static_cast<int>(t.b));
       sm90::TmaLoad3d(st + L::kWBytes, &map_x, &full[stage], static_cast<int>(g * kKGroup), t.head,
                       static_cast<int>(t.m0));
-      if constexpr (kF16)  // the f16 tile's second half: K [64, 128) of the group
+      if constexpr (L::kXF16)  // the f16 tile's second half: K [64, 128) of the group
         sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes / 2, &map_x, &full[stage], static_cast<int>(g * kKGroup + 64),
                         t.head, static_cast<int>(t.m0));
       sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
@@ -774,6 +790,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     return;
   } else {
   constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16>::kDepth;
+  constexpr bool kSync = Pipeline<kTok, kInt4, kParts, kF16>::kSync;  // f16 path on mma.sync
   const int cw = wg - 1;                 // consumer warpgroup: weight rows [64 cw, 64 cw + 64)
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
@@ -827,6 +844,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     float acc[kPipe][kParts][kTok / 2];
     // int4 paths: this thread's A fragments, 4 K steps of 32 (e4m3) or 8 K16 steps (f16).
     uint32_t afrag[kPipe][kParts][kF16 ? 8 : 4][4];
+    float sxv[kPipe][kTok / 4];  // mma.sync: this thread's token scales of the group in each slot
     int slot_stage[kPipe];
     int64_t sw_base[kParts][2];
 #pragma unroll
@@ -834,15 +852,38 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       sw_base[part][0] = WeightScaleBase(p, t.b, row0 + part * p.up_offset, groups);
       sw_base[part][1] = WeightScaleBase(p, t.b, row0 + 8 + part * p.up_offset, groups);
     }
+    // int4 weights: the rows' group-0 scales as pointers, set once per unit, so that a load is a 32-bit
+    // clamp, an address and the load (the 64-bit index arithmetic per load was a tenth of the 8-token
+    // kernel's main loop).
+    const uint8_t* sw_ptr[kParts][2];
+    const int sw_shift = p.sw_type == WeightScaleType::kF32 ? 2 : p.sw_type == WeightScaleType::kBf16 ? 1 : 0;
+    const bool sw_bf16 = p.sw_type == WeightScaleType::kBf16;  // int4 weights: float32 or bfloat16 scales
+#pragma unroll
+    for (int part = 0; part < kParts; ++part)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) sw_ptr[part][r] = static_cast<const uint8_t*>(p.sw) + (sw_base[part][r] << sw_shift);
+    const int g_last = static_cast<int>(t.g1) - 1;
     auto load_scales = [&](auto pre_slot, int64_t g) {
       constexpr int J = decltype(pre_slot)::value;
-      g = min(g, t.g1 - 1);
+      if constexpr (kInt4 && (kParts == 1 || kSync)) {  // (the fused wgmma kernels measured slower with it)
+        const int gc = min(static_cast<int>(g), g_last);
 #pragma unroll
-      for (int part = 0; part < kParts; ++part) {
-        pre[J][part][0] = LoadWeightScale(p, sw_base[part][0] + g);
-        pre[J][part][1] = LoadWeightScale(p, sw_base[part][1] + g);
+        for (int part = 0; part < kParts; ++part) {
+          pre[J][part][0] = LoadInt4WeightScale(sw_bf16, sw_ptr[part][0], gc);
+          pre[J][part][1] = LoadInt4WeightScale(sw_bf16, sw_ptr[part][1], gc);
+        }
+      } else {
+        g = min(g, t.g1 - 1);
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) {
+          pre[J][part][0] = LoadWeightScale(p, sw_base[part][0] + g);
+          pre[J][part][1] = LoadWeightScale(p, sw_base[part][1] + g);
+        }
       }
     };
+    // mma.sync: this thread's token scales in a stage (+ stage address), and its weight bytes (+ part).
+    const uint32_t sx_lane = L::kWBytes + L::kXBytes + 4 * static_cast<uint32_t>((t.m0 & 3) + 2 * (lane % 4));
+    const uint32_t frag_off = frag_row * 64 + ((static_cast<uint32_t>(lane % 4) ^ frag_swz) * 16);
     using Pre0 = std::integral_constant<int, 0>;
     using Pre1 = std::integral_constant<int, 1>;
     if (g_begin < t.g1) {
@@ -861,7 +902,61 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       slot_stage[S] = stage;
       if (++stage == stages) { stage = 0; phase ^= 1; }
-      if constexpr (kF16) {
+      if constexpr (kSync) {
+        // 8-token tiles: each warp on its own (mma.sync m16n8k16), rows r and r + 8 of its 16 (this thread's 16
+        // bytes of each, as below), converted one 32-bit word (two K16 steps) at a time and multiplied by the
+        // activation tile's fragments (ldmatrix of the 128-byte-swizzled f16 rows: 16-byte chunk c of token
+        // row n sits at chunk c ^ (n % 8); step s of half s / 4 is chunks 2 (s % 4) and + 1). The stage is
+        // freed once its operands are in registers.
+        const uint32_t st_addr = sm90::SmemAddr(st);
+        const uint32_t sx = st_addr + sx_lane;
+#pragma unroll
+        for (int j = 0; j < kTok / 4; ++j) sxv[S][j] = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
+        uint4 qa[kParts], qb[kParts];
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) {
+          const uint32_t base = st_addr + part * L::kWPartBytes + frag_off;
+          qa[part] = sm90::LdShared128(base);
+          qb[part] = sm90::LdShared128(base + 8 * 64);
+        }
+        const uint32_t xrow = st_addr + L::kWBytes + static_cast<uint32_t>(lane % 8) * 128;
+#pragma unroll
+        for (int part = 0; part < kParts; ++part)
+#pragma unroll
+          for (int i = 0; i < kTok / 2; ++i) acc[S][part][i] = 0.0f;
+#pragma unroll
+        for (int t4 = 0; t4 < 4; ++t4) {
+          // Steps 2 t4 and 2 t4 + 1: half t4 / 2, chunks 4 (t4 % 2) .. + 3 (matrix lane / 8 of each ldmatrix).
+          uint32_t bfr[kTok / 8][4];
+          const uint32_t chunk = (static_cast<uint32_t>(4 * (t4 % 2) + lane / 8) ^ static_cast<uint32_t>(lane % 8)) * 16;
+#pragma unroll
+          for (int j = 0; j < kTok / 8; ++j)
+            sm90::LdMatrixX4(bfr[j], xrow + (t4 / 2) * (kTok * 128) + j * 1024 + chunk);
+#pragma unroll
+          for (int part = 0; part < kParts; ++part) {
+            const uint32_t wa = t4 == 0 ? qa[part].x : t4 == 1 ? qa[part].y : t4 == 2 ? qa[part].z : qa[part].w;
+            const uint32_t wb = t4 == 0 ? qb[part].x : t4 == 1 ? qb[part].y : t4 == 2 ? qb[part].z : qb[part].w;
+            uint32_t fa[4], fb[4];
+            Int4x8ToF16(wa, fa);
+            Int4x8ToF16(wb, fb);
+            const uint32_t a0[4] = {fa[0], fb[0], fa[1], fb[1]}, a1[4] = {fa[2], fb[2], fa[3], fb[3]};
+#pragma unroll
+            for (int j = 0; j < kTok / 8; ++j) {
+              float c[4] = {acc[S][part][4 * j], acc[S][part][4 * j + 1], acc[S][part][4 * j + 2],
+                            acc[S][part][4 * j + 3]};
+              sm90::MmaF16(c, a0, bfr[j][0], bfr[j][1]);
+              sm90::MmaF16(c, a1, bfr[j][2], bfr[j][3]);
+#pragma unroll
+              for (int e = 0; e < 4; ++e) acc[S][part][4 * j + e] = c[e];
+            }
+          }
+        }
+        // Every operand of the stage is in registers (the MMAs above have read them): free the stage. The
+        // cross-proxy fence orders these reads before the producer's next TMA write (see retire).
+        sm90::FenceProxyAsyncShared();
+        __syncwarp();
+        sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
+      } else if constexpr (kF16) {
         // Rows r and r + 8: this thread's 16 bytes (codes [32 c, 32 c + 32)) of each, 4 words -> 8 K16
         // steps (order in ConvertXToF16). Fused: the up part is converted while the gate part's MMAs run,
         // or, at two blocks per SM (104 registers: ptxas would serialize every wgmma), into the same
@@ -945,6 +1040,19 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     // Promote the finished group in slot S: total += sw * sx * partial in fp32; free its stage.
     auto retire = [&](auto slot) {
       constexpr int S = decltype(slot)::value;
+      if constexpr (kSync) {  // the stage is already free; the token scales are in registers
+#pragma unroll
+        for (int j = 0; j < kTok / 4; ++j) {
+#pragma unroll
+          for (int part = 0; part < kParts; ++part) {
+            const float s0 = sw[S][part][0] * sxv[S][j], s1 = sw[S][part][1] * sxv[S][j];
+            const int i = 4 * (j / 2) + (j % 2);
+            total[part][i] = fmaf(s0, acc[S][part][i], total[part][i]);
+            total[part][i + 2] = fmaf(s1, acc[S][part][i + 2], total[part][i + 2]);
+          }
+        }
+        return;
+      }
       const uint32_t sx = sm90::SmemAddr(smem + static_cast<size_t>(slot_stage[S]) * L::kStageBytes + L::kWBytes +
                                          L::kXBytes) + 4 * static_cast<uint32_t>((t.m0 & 3) + 2 * (lane % 4));
       // This thread's tokens: 8 (j / 2) + 2 (lane % 4) + j % 2, j < kTok / 4; rows row0 and row0 + 8.
@@ -977,17 +1085,44 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
     };
     using Slot0 = std::integral_constant<int, 0>;
-    int64_t g = g_begin;
-    if constexpr (kPipe == 1 && kParts == 2) {
+    // 32-bit group indices (a unit's K groups fit): 64-bit compares cost two instructions each.
+    const int g1 = static_cast<int>(t.g1);
+    int g = static_cast<int>(g_begin);
+    if constexpr (kSync && kPipe == 2) {
+      // mma.sync: always one group's MMAs in flight while the other slot's group is promoted (a warp's
+      // MMAs are tracked per register, so they may run across loop edges).
+      using Slot1 = std::integral_constant<int, 1>;
+      if (g < g1) {
+        issue(Slot0{}, Pre0{}, g);
+        load_scales(Pre0{}, g + 2);
+        for (;; g += 2) {
+          if (g + 1 >= g1) { retire(Slot0{}); break; }
+          issue(Slot1{}, Pre1{}, g + 1);
+          load_scales(Pre1{}, g + 3);
+          retire(Slot0{});
+          if (g + 2 >= g1) { retire(Slot1{}); break; }
+          issue(Slot0{}, Pre0{}, g + 2);
+          load_scales(Pre0{}, g + 4);
+          retire(Slot1{});
+        }
+        g = g1;
+      }
+    } else if constexpr (kSync) {  // one group at a time (the fused 32-token tile's registers)
+      for (; g < g1; ++g) {
+        issue(Slot0{}, Pre0{}, g);
+        load_scales(Pre0{}, g + 1);
+        retire(Slot0{});
+      }
+    } else if constexpr (kPipe == 1 && kParts == 2) {
       // Fused gate + up: one group at a time, scales one group ahead (two ahead spills registers).
-      for (; g + 1 < t.g1; ++g) {
+      for (; g + 1 < g1; ++g) {
         issue(Slot0{}, Pre0{}, g);
         load_scales(Pre0{}, g + 1);
         sm90::WgmmaWait<0>();
         retire(Slot0{});
       }
     } else if constexpr (kPipe == 1) {
-      for (; g + 1 < t.g1; g += 2) {
+      for (; g + 1 < g1; g += 2) {
         issue(Slot0{}, Pre0{}, g);
         load_scales(Pre0{}, g + 2);
         sm90::WgmmaWait<0>();
@@ -1002,7 +1137,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       // group g is promoted while g + 1's run. Nothing is in flight across a loop edge (ptxas would
       // otherwise serialize every wgmma).
       using Slot1 = std::integral_constant<int, kPipe - 1>;
-      for (; g + 1 < t.g1; g += 2) {
+      for (; g + 1 < g1; g += 2) {
         issue(Slot0{}, Pre0{}, g);
         issue(Slot1{}, Pre1{}, g + 1);
         load_scales(Pre0{}, g + 2);
@@ -1013,7 +1148,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         retire(Slot1{});
       }
     }
-    if (g < t.g1) {
+    if (g < g1) {
       issue(Slot0{}, Pre0{}, g);
       sm90::WgmmaWait<0>();
       retire(Slot0{});
@@ -1165,7 +1300,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   const int64_t w_rows = p.fused_up ? p.f + p.up_offset : p.f;
   bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, w_rows, p.b, kInt4 ? kKGroup / 2 : kKGroup,
                      kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
-  if constexpr (kF16) {  // the f16 activations in xh, 64 K (128 bytes) per box row
+  if constexpr (L::kXF16) {  // the f16 activations in xh, 64 K (128 bytes) per box row
     ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, p.xh, p.k, p.h, p.m, kKGroup / 2, 1, kTok,
                         CU_TENSOR_MAP_SWIZZLE_128B);  // p.xh checked by LaunchHopperGemm
   } else {
@@ -1271,6 +1406,9 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   if (p.tile_tokens != 8 && p.tile_tokens != 16 && p.tile_tokens != 32 && p.tile_tokens != 64 &&
       p.tile_tokens != 128 && p.tile_tokens != 192) {
     *why = "tile_tokens must be 8, 16, 32, 64, 128 or 192"; return false;
+  }
+  if (p.w_int4 && p.sw_type == WeightScaleType::kUe8m0) {  // the int4 kernels load float32 or bfloat16 scales
+    *why = "int4 weights take float32 or bfloat16 weight scales"; return false;
   }
   if (p.tile_tokens == 8 && !(p.w_int4 && p.int4_f16)) {
     *why = "tile_tokens 8 is for int4 weights with the f16 MMA"; return false;

@@ -79,6 +79,25 @@ __device__ __forceinline__ void StShared32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
 
+// Four 8 x 8 b16 matrices from shared memory (lane l gives row l % 8 of matrix l / 8): r[j] is
+// matrix j's element pair (row lane / 4, columns 2 (lane % 4) + {0, 1}).
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// One warp's D[16 x 8] += A[16 x 16] * B[16 x 8], f16 operands, f32 accumulators (HMMA): a as for the
+// f16 wgmma's register A (rows lane / 4 and + 8 of the warp's 16), b0 = B(k = 2 (lane % 4) + {0, 1},
+// n = lane / 4), b1 the same at k + 8; d[0], d[1]: row lane / 4, columns 2 (lane % 4) + {0, 1}; d[2], d[3]:
+// row + 8. Not volatile: the compiler schedules it by its register dependencies.
+__device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
 // Shared-memory writes of this thread (generic proxy) made visible to later wgmma reads (async proxy).
 __device__ __forceinline__ void FenceProxyAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -306,18 +325,6 @@ __device__ __forceinline__ void WgmmaE4m3RsN128(float (&d)[64], const uint32_t (
 // f16 x f16 -> f32 with A in registers: per thread four f16x2, rows r = 16 * warp + lane / 4 and r + 8,
 // K columns 2 * (lane % 4) + {0, 1} and + 8: a[0] = (r, k), a[1] = (r + 8, k), a[2] = (r, k + 8),
 // a[3] = (r + 8, k + 8); B K-major in shared memory (descriptor).
-
-// D[64 x 8] (+)= A[64 x 16] * B[8 x 16]^T.
-__device__ __forceinline__ void WgmmaF16RsN8(float (&d)[4], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k16.f32.f16.f16 "
-      "{"
-      "%0, %1, %2, %3"
-      "}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(scale_d));
-}
 
 // D[64 x 16] (+)= A[64 x 16] * B[16 x 16]^T.
 __device__ __forceinline__ void WgmmaF16RsN16(float (&d)[8], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
