@@ -2,8 +2,12 @@
 hostile group sizes and checks the values: memcheck finds no out-of-bounds or misaligned access, racecheck no
 shared-memory hazard, synccheck no barrier misuse, and the case's results are right under each tool.
 
-The GPU tests also skip where compute-sanitizer is not installed; a run the tool itself crashed in before
-reporting anything is run once more (crashed_before_any_report). The verdict on a sanitizer's output is tested
+The GPU tests also skip where compute-sanitizer is not installed. The case runs once without the sanitizer
+first, filling a JAX persistent compilation cache that the sanitized run then loads its XLA executables from
+(compiled_case_env): on the H200 compute-sanitizer segfaulted while XLA compiled under it (racecheck and
+synccheck five times in a row in the eighteenth session, on this build and the one before; with the cache both
+ran clean). A run the tool itself still crashed in before reporting anything is run once more
+(crashed_before_any_report). The verdict on a sanitizer's output is tested
 on the CPU against outputs recorded on the H200 (fifteenth session), including the one that found CUTLASS's
 blockwise kernel stopping racecheck at 1 x 2 clusters.
 """
@@ -50,6 +54,12 @@ def sanitizer_verdict(tool, output):
     if "sanitizer case: ok" not in output:
         return "the sanitizer case did not finish with correct results"
     return None
+
+
+def compilation_cache_env(cache_dir):
+    """Environment that makes JAX keep every compiled executable in ``cache_dir`` and load it from there."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
 
 
 def crashed_before_any_report(returncode, output):
@@ -117,15 +127,33 @@ def test_only_a_crash_before_any_report_is_run_again():
     assert not crashed_before_any_report(-11, "========= COMPUTE-SANITIZER\nsanitizer case: ok\n")
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("tool", sorted(TOOLS))
-def test_sanitizer_case_is_clean(tool):
-    sanitizer = find_sanitizer()
-    if sanitizer is None:
+def test_compilation_cache_env_really_caches(tmp_path):
+    """The environment above makes a fresh JAX process write its compiled executables to the directory (CPU)."""
+    env = {**os.environ, **compilation_cache_env(tmp_path), "JAX_PLATFORMS": "cpu"}
+    code = "import jax, jax.numpy as jnp; print(float(jax.jit(lambda x: jnp.sin(x) * 3)(jnp.ones(4)).sum()))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert any("jit__lambda" in name for name in os.listdir(tmp_path)), os.listdir(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def compiled_case_env(tmp_path_factory):
+    """Environment for the sanitized runs: the case run once without a sanitizer, its executables cached."""
+    if find_sanitizer() is None:
         pytest.skip("compute-sanitizer not found (PATH, /usr/local/cuda*/bin)")
     # The child allocates on demand: this process's JAX client may already hold most of the GPU's memory.
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
-    cmd = [sanitizer, "--tool", tool, *TOOLS[tool], "--kernel-name", "kns=jax_w4a8", sys.executable, CASE]
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           **compilation_cache_env(tmp_path_factory.mktemp("jax_cache"))}
+    r = subprocess.run([sys.executable, CASE], capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
+    assert r.returncode == 0 and "sanitizer case: ok" in r.stdout, (r.stdout + r.stderr)[-4000:]
+    return env
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tool", sorted(TOOLS))
+def test_sanitizer_case_is_clean(tool, compiled_case_env):
+    env = compiled_case_env
+    cmd = [find_sanitizer(), "--tool", tool, *TOOLS[tool], "--kernel-name", "kns=jax_w4a8", sys.executable, CASE]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     if crashed_before_any_report(r.returncode, r.stdout + r.stderr):  # the tool's own crash: once more
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
