@@ -1,5 +1,6 @@
-"""The built CUDA library's machine code: every Hopper GEMM kernel issues wgmma (SPEC / issue acceptance:
-"the built library's SASS contains QGMMA"), in the operand format its template says.
+"""The built CUDA library's machine code: every Hopper GEMM kernel issues tensor-core MMAs (SPEC / issue
+acceptance: "the built library's SASS contains QGMMA") in the operand format its template says: wgmma, or
+warp-level mma.sync at the int4 kernels' 8-token f16 tiles.
 
 Reads the library with cuobjdump and nvdisasm (the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm``
 wheels of the test extra, or tools on PATH): runs on a machine without a GPU; skips when the CUDA
@@ -96,7 +97,7 @@ def test_einsum_decode_kernel_issues_warp_mmas(functions):
             assert not re.search(r"\b(STL|LDL)\b", body), tiles
 
 
-def test_kernels_issue_wgmma_in_their_operand_format(kernels):
+def test_kernels_issue_mmas_in_their_operand_format(kernels):
     for (tok, int4, parts, f16, *token_rows), body in kernels.items():
         config = f"tile {tok}, int4 {int4}, parts {parts}, f16 {f16}, {token_rows}"
         if token_rows:  # tokens are the MMA's M side (64 per warpgroup), the 128 weight rows its N
@@ -134,7 +135,7 @@ def _innermost_mma_loop(body):
         if target and int(target.group(1), 16) < addr:
             loops.append((int(target.group(1), 16), addr))
     with_mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and re.search(r"\b(HGMMA|QGMMA|HMMA)\b", t) for a, t in ins)]
-    assert with_mma, "no loop around the wgmma instructions"
+    assert with_mma, "no loop around the MMA instructions"
     lo, hi = min(with_mma, key=lambda r: r[1] - r[0])
     return [t for a, t in ins if lo <= a <= hi]
 

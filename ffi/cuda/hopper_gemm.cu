@@ -75,8 +75,7 @@ struct Layout {
   static constexpr int kWBytes = kParts * kWPartBytes;  // gate and up tiles when fused
   // The activations: e4m3, or on the f16 MMA path f16 (prepared once per call, ConvertXToF16) as two
   // halves of 64 K, each kTok rows of 128 bytes with TMA's 128-byte swizzle (the e4m3 tile's geometry).
-  static constexpr bool kXF16 = kF16;
-  static constexpr int kXBytes = kTok * kKGroup * (kXF16 ? 2 : 1);
+  static constexpr int kXBytes = kTok * kKGroup * (kF16 ? 2 : 1);
   // Activation scales: a box of kTok + 4 floats starting at the token tile's row rounded down to a
   // multiple of 4, since TMA needs the innermost start 16-byte aligned (expert tiles start anywhere).
   static constexpr int kSxBox = kTok + 4;
@@ -691,8 +690,9 @@ struct Occupancy {
   static constexpr uint32_t kConsumerRegs = kBlocksPerSm == 2 ? 104 : 232;
 };
 
-// Groups in flight per consumer warpgroup: two (the next group's operand is built and its MMAs issued
-// while the current one runs) where the second accumulator and A fragments fit the register budget.
+// Groups in flight per consumer warpgroup (per warp on mma.sync): two (the next group's operand is built and
+// its MMAs issued while the current one runs) where the second accumulator and A fragments fit the register
+// budget.
 template <int kTok, bool kInt4, int kParts, bool kF16 = false>
 struct Pipeline {
   // Registers of two slots: accumulators, running total and (int4, wgmma) A fragments (twice as many as f16).
@@ -772,7 +772,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
                         static_cast<int>(t.f0 + part * p.up_offset), static_cast<int>(t.b));
       sm90::TmaLoad3d(st + L::kWBytes, &map_x, &full[stage], static_cast<int>(g * kKGroup), t.head,
                       static_cast<int>(t.m0));
-      if constexpr (L::kXF16)  // the f16 tile's second half: K [64, 128) of the group
+      if constexpr (kF16)  // the f16 tile's second half: K [64, 128) of the group
         sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes / 2, &map_x, &full[stage], static_cast<int>(g * kKGroup + 64),
                         t.head, static_cast<int>(t.m0));
       sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
@@ -891,8 +891,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       load_scales(Pre1{}, g_begin + 1);
     }
 
-    // Wait for group g's stage, build the A operand and issue its MMAs into slot S (asynchronously),
-    // with the weight scales from pre[J].
+    // Wait for group g's stage, build the A operand and issue its MMAs into slot S (wgmma: asynchronously;
+    // mma.sync: the stage is freed here), with the weight scales from pre[J].
     auto issue = [&](auto slot, auto pre_slot, int64_t g) {
       constexpr int S = decltype(slot)::value;
       constexpr int J = decltype(pre_slot)::value;
@@ -1037,7 +1037,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         turn_pass();
       }
     };
-    // Promote the finished group in slot S: total += sw * sx * partial in fp32; free its stage.
+    // Promote the finished group in slot S: total += sw * sx * partial in fp32; free its stage (wgmma; mma.sync
+    // freed it in issue).
     auto retire = [&](auto slot) {
       constexpr int S = decltype(slot)::value;
       if constexpr (kSync) {  // the stage is already free; the token scales are in registers
@@ -1088,7 +1089,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     // 32-bit group indices (a unit's K groups fit): 64-bit compares cost two instructions each.
     const int g1 = static_cast<int>(t.g1);
     int g = static_cast<int>(g_begin);
-    if constexpr (kSync && kPipe == 2) {
+    static_assert(!kSync || kPipe == 2, "mma.sync: two slots (its registers always allow them)");
+    if constexpr (kSync) {
       // mma.sync: always one group's MMAs in flight while the other slot's group is promoted (a warp's
       // MMAs are tracked per register, so they may run across loop edges).
       using Slot1 = std::integral_constant<int, 1>;
@@ -1106,12 +1108,6 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           retire(Slot1{});
         }
         g = g1;
-      }
-    } else if constexpr (kSync) {  // one group at a time (the fused 32-token tile's registers)
-      for (; g < g1; ++g) {
-        issue(Slot0{}, Pre0{}, g);
-        load_scales(Pre0{}, g + 1);
-        retire(Slot0{});
       }
     } else if constexpr (kPipe == 1 && kParts == 2) {
       // Fused gate + up: one group at a time, scales one group ahead (two ahead spills registers).
@@ -1148,10 +1144,12 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         retire(Slot1{});
       }
     }
-    if (g < g1) {
-      issue(Slot0{}, Pre0{}, g);
-      sm90::WgmmaWait<0>();
-      retire(Slot0{});
+    if constexpr (!kSync) {  // an odd last group (the mma.sync loop takes every group itself)
+      if (g < g1) {
+        issue(Slot0{}, Pre0{}, g);
+        sm90::WgmmaWait<0>();
+        retire(Slot0{});
+      }
     }
 
     if constexpr (kParts == 2) {
@@ -1300,7 +1298,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   const int64_t w_rows = p.fused_up ? p.f + p.up_offset : p.f;
   bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, w_rows, p.b, kInt4 ? kKGroup / 2 : kKGroup,
                      kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
-  if constexpr (L::kXF16) {  // the f16 activations in xh, 64 K (128 bytes) per box row
+  if constexpr (kF16) {  // the f16 activations in xh, 64 K (128 bytes) per box row
     ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, p.xh, p.k, p.h, p.m, kKGroup / 2, 1, kTok,
                         CU_TENSOR_MAP_SWIZZLE_128B);  // p.xh checked by LaunchHopperGemm
   } else {
@@ -1452,6 +1450,7 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
   const bool f16_x = p.w_int4 && p.int4_f16;
   if (f16_x && p.xh == nullptr) return cudaErrorInvalidValue;
+  if (p.w_int4 && p.sw_type == WeightScaleType::kUe8m0) return cudaErrorInvalidValue;  // see HopperGemmSupported
   // split_k > 1: the piece counters are cleared; the partial-sum slots after them need no clearing
   // (every slot a fix-up reads was written by its piece first).
   HopperGemmParams q = p;

@@ -31,7 +31,7 @@ struct HopperGemmParams {
   const void* sx_src;          // activation scales as given, of kind sx_kind
   ActScaleKind sx_kind;
   float* sx;                   // scratch: float32 [G, H, Mp] activation scales, Mp = M rounded up to 4
-  const void* sw;              // [B, sw_rows, G] weight scales of type sw_type
+  const void* sw;              // [B, sw_rows, G] weight scales of type sw_type (int4 weights: kF32 or kBf16)
   WeightScaleType sw_type;
   int64_t sw_rows;             // F (per-row scales) or ceil(F / 128) (128-row blocks)
   int sw_row_shift;            // 0 (per row) or 7 (per 128 rows)

@@ -98,7 +98,8 @@ __device__ __forceinline__ void MmaF16(float (&d)[4], const uint32_t (&a)[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Shared-memory writes of this thread (generic proxy) made visible to later wgmma reads (async proxy).
+// Orders this thread's shared-memory accesses through the generic proxy with later async-proxy ones: writes
+// made visible to later wgmma reads, and reads of a stage done before the producer's next TMA write into it.
 __device__ __forceinline__ void FenceProxyAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
