@@ -115,6 +115,16 @@ __device__ __forceinline__ void Int4x8ToF16(uint32_t w, uint32_t (&f)[4]) {
   asm("fma.rn.f16x2 %0, %1, %2, %3;" : "=r"(f[3]) : "r"(hi1), "r"(0x2C002C00u), "r"(0xD480D480u));
 }
 
+// The A fragments of K16 steps 2 t and 2 t + 1 from word t of rows r (wa) and r + 8 (wb): a[0] = (r, k),
+// a[1] = (r + 8, k), a[2] = (r, k + 8), a[3] = (r + 8, k + 8) in the K order of ConvertXToF16.
+__device__ __forceinline__ void Int4WordsToF16Fragments(uint32_t wa, uint32_t wb, uint32_t (&s0)[4], uint32_t (&s1)[4]) {
+  uint32_t fa[4], fb[4];
+  Int4x8ToF16(wa, fa);
+  Int4x8ToF16(wb, fb);
+  s0[0] = fa[0], s0[1] = fb[0], s0[2] = fa[1], s0[3] = fb[1];
+  s1[0] = fa[2], s1[1] = fb[2], s1[2] = fa[3], s1[3] = fb[3];
+}
+
 // Two e4m3 codes (bits 0..15) -> f16x2, exactly (low byte -> low half).
 __device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t v) {
   uint32_t out;
@@ -881,7 +891,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         }
       }
     };
-    // mma.sync: this thread's token scales in a stage (+ stage address), and its weight bytes (+ part).
+    // This thread's token scales in a stage (mma.sync; + stage address) and its f16-path weight bytes (+ part).
     const uint32_t sx_lane = L::kWBytes + L::kXBytes + 4 * static_cast<uint32_t>((t.m0 & 3) + 2 * (lane % 4));
     const uint32_t frag_off = frag_row * 64 + ((static_cast<uint32_t>(lane % 4) ^ frag_swz) * 16);
     using Pre0 = std::integral_constant<int, 0>;
@@ -924,31 +934,22 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         for (int part = 0; part < kParts; ++part)
 #pragma unroll
           for (int i = 0; i < kTok / 2; ++i) acc[S][part][i] = 0.0f;
+        static_assert(kTok == 8, "mma.sync: one m16n8 tile of tokens");
 #pragma unroll
         for (int t4 = 0; t4 < 4; ++t4) {
-          // Steps 2 t4 and 2 t4 + 1: half t4 / 2, chunks 4 (t4 % 2) .. + 3 (matrix lane / 8 of each ldmatrix).
-          uint32_t bfr[kTok / 8][4];
+          // Steps 2 t4 and 2 t4 + 1: half t4 / 2, chunks 4 (t4 % 2) .. + 3 (matrix lane / 8 of the ldmatrix):
+          // b[0], b[1] of step 2 t4, b[2], b[3] of step 2 t4 + 1.
+          uint32_t b[4];
           const uint32_t chunk = (static_cast<uint32_t>(4 * (t4 % 2) + lane / 8) ^ static_cast<uint32_t>(lane % 8)) * 16;
-#pragma unroll
-          for (int j = 0; j < kTok / 8; ++j)
-            sm90::LdMatrixX4(bfr[j], xrow + (t4 / 2) * (kTok * 128) + j * 1024 + chunk);
+          sm90::LdMatrixX4(b, xrow + (t4 / 2) * (kTok * 128) + chunk);
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
-            const uint32_t wa = t4 == 0 ? qa[part].x : t4 == 1 ? qa[part].y : t4 == 2 ? qa[part].z : qa[part].w;
-            const uint32_t wb = t4 == 0 ? qb[part].x : t4 == 1 ? qb[part].y : t4 == 2 ? qb[part].z : qb[part].w;
-            uint32_t fa[4], fb[4];
-            Int4x8ToF16(wa, fa);
-            Int4x8ToF16(wb, fb);
-            const uint32_t a0[4] = {fa[0], fb[0], fa[1], fb[1]}, a1[4] = {fa[2], fb[2], fa[3], fb[3]};
-#pragma unroll
-            for (int j = 0; j < kTok / 8; ++j) {
-              float c[4] = {acc[S][part][4 * j], acc[S][part][4 * j + 1], acc[S][part][4 * j + 2],
-                            acc[S][part][4 * j + 3]};
-              sm90::MmaF16(c, a0, bfr[j][0], bfr[j][1]);
-              sm90::MmaF16(c, a1, bfr[j][2], bfr[j][3]);
-#pragma unroll
-              for (int e = 0; e < 4; ++e) acc[S][part][4 * j + e] = c[e];
-            }
+            const uint32_t wa[4] = {qa[part].x, qa[part].y, qa[part].z, qa[part].w};
+            const uint32_t wb[4] = {qb[part].x, qb[part].y, qb[part].z, qb[part].w};
+            uint32_t a0[4], a1[4];
+            Int4WordsToF16Fragments(wa[t4], wb[t4], a0, a1);
+            sm90::MmaF16(acc[S][part], a0, b[0], b[1]);
+            sm90::MmaF16(acc[S][part], a1, b[2], b[3]);
           }
         }
         // Every operand of the stage is in registers (the MMAs above have read them): free the stage. The
@@ -966,20 +967,13 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         uint64_t stage_desc = 0;
 #pragma unroll
         for (int part = 0; part < kParts; ++part) {
-          const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_row * 64 +
-                                ((static_cast<uint32_t>(lane % 4) ^ frag_swz) * 16);
+          const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_off;
           const uint4 qa = sm90::LdShared128(base);
           const uint4 qb = sm90::LdShared128(base + 8 * 64);
           const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
           uint32_t(&fr)[8][4] = afrag[S][kReuse ? 0 : part];
 #pragma unroll
-          for (int t4 = 0; t4 < 4; ++t4) {
-            uint32_t fa[4], fb[4];
-            Int4x8ToF16(wa[t4], fa);
-            Int4x8ToF16(wb[t4], fb);
-            fr[2 * t4][0] = fa[0], fr[2 * t4][1] = fb[0], fr[2 * t4][2] = fa[1], fr[2 * t4][3] = fb[1];
-            fr[2 * t4 + 1][0] = fa[2], fr[2 * t4 + 1][1] = fb[2], fr[2 * t4 + 1][2] = fa[3], fr[2 * t4 + 1][3] = fb[3];
-          }
+          for (int t4 = 0; t4 < 4; ++t4) Int4WordsToF16Fragments(wa[t4], wb[t4], fr[2 * t4], fr[2 * t4 + 1]);
           if (part == 0) turn_wait();
           sm90::WgmmaFence();
           if (part == 0)
