@@ -49,7 +49,12 @@ products and one FMA per accumulator. The heuristic:
   expert about 2 or fewer): which units exist is only known on the device, and dealing whole units left the last of
   about 3.3 waves of units 30% full. H200, same run, 32 experts, 64 rows: gate+up 234 -> 211 us,
   down 141 -> 129 us; at 256 rows (every expert busy, no stream-K) forcing it gave gate+up
-  255 -> 244 but down 133 -> 152, and from 512 rows it lost 10-60%.
+  255 -> 244 but down 133 -> 152, and from 512 rows it lost 10-60%. Only for deep tiles, though (at least
+  ``_SPARSE_MIN_GROUPS`` K groups): a split tile costs a fix-up (partial sums stored, counted, summed by the
+  completing warp) that a shallow tile does not repay. H200, same process, two rounds, us, 32 experts,
+  8-token tiles, stream-K vs whole tiles: down (K = 2048, 16 groups) at 16 / 32 / 64 rows 56, 57 / 79, 78 /
+  94, 91 vs 53, 49 / 68, 70 / 87, 84; gate+up (K = 7168, 56 groups) 85, 81 / 124, 126 / 150, 150 vs 89, 86 /
+  126, 126 / 162, 176.
 * ``mma`` (int4 weights, grouped GEMM and fused up-projection): the tensor-core operand format.
   ``"e4m3"``: the int4 codes become e4m3 in registers and meet the fp8 activations in an fp8 MMA.
   ``"f16"`` (token tiles 8, 16 and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
@@ -129,6 +134,7 @@ _COUNTER_SLOTS = 12  # stream-K piece counters per unit: 3 consumer warpgroups x
 _DEFAULT_SMS = 132  # H100 / H200 SXM
 _MAX_PIECES = 8  # einsum stream-K: pieces per tile at most (H200: see module docstring)
 _SPARSE_BUSY = 0.9  # stream-K below this expected fraction of experts with rows (H200: see module docstring)
+_SPARSE_MIN_GROUPS = 32  # ... for tiles of at least this many K groups (H200: see module docstring)
 EINSUM_KERNELS = ("native", "cutlass")  # index = the fp8 einsum handler's `kernel` attribute
 CUTLASS_MIN_TOKENS = 128  # the einsum plan takes CUTLASS's blockwise kernel from this many rows per head
 _CUTLASS_MIN_TILES = 32  # ... and this many 128 x 128 output tiles (it runs no split-K; H200: see docstring)
@@ -184,7 +190,8 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     work = busy * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
     out_bytes = m * h * f * 4  # float32 output size: stream-K is left to outputs of at most 64 MB (as measured)
     ragged_wave = exact and work / (math.ceil(work / slots) * slots) < 0.75
-    sparse = not exact and busy < _SPARSE_BUSY * batches  # grouped GEMM, some experts expected empty
+    # grouped GEMM, some experts expected empty, deep tiles
+    sparse = not exact and busy < _SPARSE_BUSY * batches and groups >= _SPARSE_MIN_GROUPS
     bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
     dealable = bound * groups * slots < 1 << 32  # the kernel deals stream-K iterations in 32-bit arithmetic
     split = 1

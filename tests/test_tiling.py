@@ -56,13 +56,17 @@ def test_no_split_once_the_gpu_is_full():
 
 @pytest.mark.parametrize("m, split", [(64, True), (72, True), (80, False), (256, False)])
 def test_stream_k_when_experts_are_expected_empty(m, split):
-    # 64 rows over 32 experts: ~27 busy, which ones only the device knows: stream-K (H200: ~10%
-    # faster for gate+up and down). From ~2.3 rows per expert nearly all are busy: whole units.
-    for n, k in ((4096, 7168), (7168, 2048)):
+    # 64 rows over 32 experts: ~27 busy, which ones only the device knows: stream-K for deep tiles (gate+up,
+    # 56 K groups; H200: 7-15% faster). From ~2.3 rows per expert nearly all are busy: whole units.
+    for n, k in ((4096, 7168), (4096, 4096)):
         plan = tiling.plan_grouped_gemm(m, 32, n, k, num_sms=SMS)
         assert (plan.split_k > 1) == split, (m, n, k, plan)
         if split:  # the scales, the piece counters and two partial tiles per resident block
             assert plan.scratch_bytes >= (k // 128) * m * 4 + SMS * 2 * 2 * plan.tile_tokens * 128 * 4
+    # Shallow tiles (down, 16 K groups) keep whole units: a split tile's fix-up costs more than the ragged
+    # last wave (H200: 8-14% faster whole at 16 - 64 rows); where units do not fill the GPU they still split.
+    assert tiling.plan_grouped_gemm(m, 32, 7168, 2048, num_sms=SMS).split_k == 1
+    assert tiling.plan_grouped_gemm(1, 32, 7168, 2048, num_sms=SMS).split_k > 1
     # A hint of rows per expert means every expert is busy: no stream-K.
     assert tiling.plan_grouped_gemm(m, 32, 4096, 7168, rows_per_expert=m / 32, num_sms=SMS).split_k == 1
 
