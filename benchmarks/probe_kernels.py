@@ -5,6 +5,9 @@
     python benchmarks/probe_kernels.py small     # latency-bound einsums: kv_a / q_a at 1 and 64 tokens, MLA
                                                  # absorb (128 heads) and V4 wo_a (16 heads) at b = 1 and 64,
                                                  # each next to XLA bf16
+    python benchmarks/probe_kernels.py fixed     # a decode grouped GEMM's fixed cost per call: M = 64 routed vs
+                                                 # every expert empty (all rows padding), twice, and the
+                                                 # timing loop's own floor
 
 32 experts of one EP8 shard of R1 (gate+up N=4096 K=7168, down N=7168 K=2048), plan defaults, random data;
 each line ends in a checksum, so two builds can be compared for identical results as well as for speed.
@@ -105,13 +108,24 @@ def small(key):
                   f"checksum {_checksum(jax.jit(f)(*sets[0])):.6e}", flush=True)
 
 
+def fixed(key):
+    for name, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
+        sets = [_grouped_case(jax.random.fold_in(key, i), 64, n, k, i) for i in range(2)]
+        empty = [s[:4] + (jnp.zeros_like(s[4]),) for s in sets]
+        for label, arg_sets in (("routed", sets), ("all empty", empty)) * 2:
+            t = C.bench(ops.w4a8_grouped_gemm, arg_sets)
+            print(f"{name} M=64 {label}: {t * 1e6:7.1f} us per call", flush=True)
+    t = C.bench(lambda a: a * 2, [(jnp.ones((128,), jnp.float32),)] * 2)
+    print(f"timing floor (128-element op): {t * 1e6:.1f} us per call", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("what", choices=("prefill", "decode", "small"))
+    ap.add_argument("what", choices=("prefill", "decode", "small", "fixed"))
     args = ap.parse_args()
     if jax.devices()[0].platform != "gpu":
         sys.exit("probe_kernels.py times the CUDA kernels: run it on a GPU")
-    {"prefill": prefill, "decode": decode, "small": small}[args.what](jax.random.key(0))
+    {"prefill": prefill, "decode": decode, "small": small, "fixed": fixed}[args.what](jax.random.key(0))
 
 
 if __name__ == "__main__":
