@@ -193,3 +193,16 @@ def test_int4_decode_loops_stay_lean(kernels):
         groups = mmas // 8  # 8 K16 steps per 128-K group (one MMA each at these tiles)
         assert groups >= 1, (config, mmas)
         assert len(loop) <= per_group * groups, (config, len(loop), groups)
+
+
+def test_gemm_waits_for_its_preparation_kernel(functions):
+    """The GEMM is launched as a programmatic dependent of the scale / activation preparation (PDL): every
+    HopperGemmKernel must wait for that grid (griddepcontrol.wait, SASS ACQBULK) in its producer and in its
+    consumers before touching what it writes, and the preparation lets it launch early (PREEXIT). Without the
+    waits the dependent launch would race."""
+    gemms = [body for name, body in functions if KERNEL.search(name)]
+    assert gemms
+    for body in gemms:
+        assert len(re.findall(r"\bACQBULK\b", body)) >= 2
+    prep = [body for name, body in functions if "PrepareActScalesKernel" in name]
+    assert len(prep) == 1 and re.search(r"\bPREEXIT\b", prep[0])

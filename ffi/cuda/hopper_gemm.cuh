@@ -60,6 +60,7 @@ struct HopperGemmParams {
   const float* down_scale = nullptr;
   float* h_scale = nullptr;
   void* xh = nullptr;          // int4_f16: the f16 activations (see int4_f16)
+  bool dependent_launch = false;  // set by LaunchHopperGemm: the GEMM is a programmatic dependent of its preparation
 };
 
 // The current device's SM count (cached per device, as the launches below use it).

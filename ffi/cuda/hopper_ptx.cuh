@@ -126,6 +126,12 @@ __device__ __forceinline__ int AtomicAddRelaxedGpu(int* ptr, int v) {
   return old;
 }
 
+// --------------------------------------------------------------- programmatic dependent launch
+// Wait until the grid this one depends on has completed and its writes are visible (at once without PDL).
+__device__ __forceinline__ void GridDependencyWait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+// Let the dependent grid launch now (its blocks still wait in GridDependencyWait for this grid's end).
+__device__ __forceinline__ void LaunchDependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+
 // ----------------------------------------------------------------------------------------- TMA
 __device__ __forceinline__ void PrefetchTensorMap(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
