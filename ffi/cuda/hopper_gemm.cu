@@ -1343,7 +1343,8 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = p.dependent_launch ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, args, map_w, map_x, map_sx);
+  cudaLaunchKernelEx(&cfg, kernel, args, map_w, map_x, map_sx);
+  return cudaGetLastError();  // the launch's error, if any, cleared from the thread's state as it is returned
 }
 
 // The f16 MMA path's token tiles (int4 weights; kParts 2: the fused up-projection).
@@ -1477,6 +1478,7 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   // split_k > 1: the piece counters are cleared; the partial-sum slots after them need no clearing
   // (every slot a fix-up reads was written by its piece first).
   HopperGemmParams q = p;
+  q.dependent_launch = false;  // set below once the preparation kernel is on the stream
   const size_t counter_bytes =
       p.split_k > 1 ? CounterBytes(p.m, p.h, p.f, p.tile_tokens, p.group_sizes != nullptr ? p.b : 0) : 0;
   const int64_t n_zero = static_cast<int64_t>(counter_bytes / 4);
