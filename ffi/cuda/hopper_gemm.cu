@@ -1394,6 +1394,20 @@ cudaError_t LaunchFusedUp(const HopperGemmParams& p, cudaStream_t stream, const 
   }
 }
 
+// Programmatic dependent launch of the GEMM after its preparation kernel (on unless JAX_W4A8_NO_PDL=1, read
+// once): the GEMM's launch and prologue (barriers, unit table, tensor-map prefetch) overlap the preparation; its
+// producer and consumers wait for the preparation grid (griddepcontrol.wait) before touching anything it writes.
+// H200, same process, us, without / with: decode gate+up 145, 143 / 143, 140 (M = 64), 241, 240 / 229, 234
+// (M = 512); down M = 64 89, 88 / 87, 86; fused up-projection M = 64 170, 170 / 164, 169; einsum M = 64 square
+// 37, 38 / 33, 35, kv_a 22, 23 / 20, 20; outputs bitwise equal.
+bool DependentLaunchEnabled() {
+  static const bool enabled = [] {
+    const char* e = std::getenv("JAX_W4A8_NO_PDL");
+    return e == nullptr || e[0] == '\0' || e[0] == '0';
+  }();
+  return enabled;
+}
+
 }  // namespace
 
 int CurrentSmCount() { return CurrentDevice().sms; }
@@ -1453,20 +1467,6 @@ size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int sp
   bytes = (bytes + 255) / 256 * 256;
   if (split_k > 1) bytes += CounterBytes(m, h, f, tile_tokens, grouped_batches) + PartialBlockBytes(tile_tokens);
   return bytes;
-}
-
-// Programmatic dependent launch of the GEMM after its preparation kernel (on unless JAX_W4A8_NO_PDL=1, read
-// once): the GEMM's launch and prologue (barriers, unit table, tensor-map prefetch) overlap the preparation; its
-// producer and consumers wait for the preparation grid (griddepcontrol.wait) before touching anything it writes.
-// H200, same process, us, without / with: decode gate+up 145, 143 / 143, 140 (M = 64), 241, 240 / 229, 234
-// (M = 512); down M = 64 89, 88 / 87, 86; fused up-projection M = 64 170, 170 / 164, 169; einsum M = 64 square
-// 37, 38 / 33, 35, kv_a 22, 23 / 20, 20; outputs bitwise equal.
-bool DependentLaunchEnabled() {
-  static const bool enabled = [] {
-    const char* e = std::getenv("JAX_W4A8_NO_PDL");
-    return e == nullptr || e[0] == '\0' || e[0] == '0';
-  }();
-  return enabled;
 }
 
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
