@@ -8,7 +8,8 @@
 
 Cases: decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
 (the down projection, N = 7168, K = 2048, same kernel), absorb_o1
-(MLA absorb_o, 128 heads, b = 1), kv_a1 (576 x 7168 at one token), square4096 (einsum M = N = K = 7168 /
+(MLA absorb_o, 128 heads, b = 1), kv_a1 / kv_a64 (576 x 7168 at one / 64 tokens), square64 (einsum N = K = 7168
+at 64 tokens: the 64-token kernel under stream-K), square4096 (einsum M = N = K = 7168 /
 4096 tokens: the 192-token kernel). Each runs twice (the first call compiles), so `--launch-skip 1` takes
 the second launch.
 """
@@ -24,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_w4a8 import ops  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
-CASES = ("decode64", "down64", "absorb_o1", "kv_a1", "square4096")
+CASES = ("decode64", "down64", "absorb_o1", "kv_a1", "kv_a64", "square64", "square4096")
 
 
 def _einsum_case(key, eq, x_shape, w_shape):
@@ -44,6 +45,10 @@ def build(case, key):
         return _einsum_case(key, "bhr,hdr->bhd", (1, 128, 512), (128, 128, 512))
     if case == "kv_a1":
         return _einsum_case(key, "md,nd->mn", (1, 7168), (576, 7168))
+    if case == "kv_a64":
+        return _einsum_case(key, "md,nd->mn", (64, 7168), (576, 7168))
+    if case == "square64":
+        return _einsum_case(key, "md,nd->mn", (64, 7168), (7168, 7168))
     return _einsum_case(key, "md,nd->mn", (4096, 7168), (7168, 7168))
 
 
