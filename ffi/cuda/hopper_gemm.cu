@@ -878,9 +878,34 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 #pragma unroll
       for (int r = 0; r < 2; ++r) sw_ptr[part][r] = static_cast<const uint8_t*>(p.sw) + (sw_base[part][r] << sw_shift);
     const int g_last = static_cast<int>(t.g1) - 1;
+    // The fused kernels: the expert's scales as one pointer, this thread's two rows as 32-bit byte offsets
+    // (clamped to the last gate row) and the up rows a uniform delta further. Four 64-bit row pointers did not
+    // fit the 8-token kernel's registers (ptxas rebuilt them, 64-bit clamps and products, for every load in
+    // the main loop), and the wgmma kernels' 64-bit indices and scale-type switch per load cost as much: main
+    // loops 668 -> 520 (8 tokens), 436 / 455 -> 299 / 322 (f16, 16 / 32), 625 / 1134 / 738 -> 489 / 924 / 604
+    // (e4m3, 16 / 32 / 64) SASS instructions.
+    constexpr bool kCompactScales = kInt4 && kParts == 2;
+    const uint8_t* sw_unit = nullptr;
+    uint32_t sw_off[2] = {0u, 0u};
+    uint32_t up_delta = 0;
+    if constexpr (kCompactScales) {
+      sw_unit = static_cast<const uint8_t*>(p.sw) + ((t.b * p.sw_rows * groups) << sw_shift);
+      const int64_t last = p.f - 1;
+      sw_off[0] = static_cast<uint32_t>((min(row0, last) * groups) << sw_shift);
+      sw_off[1] = static_cast<uint32_t>((min(row0 + 8, last) * groups) << sw_shift);
+      up_delta = static_cast<uint32_t>((p.up_offset * groups) << sw_shift);
+    }
     auto load_scales = [&](auto pre_slot, int64_t g) {
       constexpr int J = decltype(pre_slot)::value;
-      if constexpr (kInt4 && (kParts == 1 || kSync)) {  // (the fused wgmma kernels measured slower with it)
+      if constexpr (kCompactScales) {
+        const int gc = min(static_cast<int>(g), g_last);
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) {
+          const uint32_t d = part == 0 ? 0u : up_delta;
+          pre[J][part][0] = LoadInt4WeightScale(sw_bf16, sw_unit + (sw_off[0] + d), gc);
+          pre[J][part][1] = LoadInt4WeightScale(sw_bf16, sw_unit + (sw_off[1] + d), gc);
+        }
+      } else if constexpr (kInt4) {  // the plain kernels: a row pointer each (kParts == 1)
         const int gc = min(static_cast<int>(g), g_last);
 #pragma unroll
         for (int part = 0; part < kParts; ++part) {
@@ -1443,6 +1468,10 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   }
   if (p.fused_up && (!p.w_int4 || p.split_k != 1 || p.tile_tokens > 64 || p.f % kFeatTile)) {
     *why = "the fused up-projection needs int4 weights, split_k 1, tile_tokens <= 64 and I % 128 == 0";
+    return false;
+  }
+  if (p.fused_up && p.sw_rows * (p.k / kKGroup) * 4 >= (int64_t{1} << 32)) {  // 32-bit offsets (kCompactScales)
+    *why = "the fused up-projection takes at most 4 GiB of weight scales per expert";
     return false;
   }
   return true;
