@@ -8,7 +8,8 @@
 
 Cases: decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
 (the down projection, N = 7168, K = 2048, same kernel), decode512 / down512 (the same at M = 512: the plan's
-32-token f16 kernel, whole tiles), absorb_o1
+32-token f16 kernel, whole tiles), fused64 / fused512 (ops.w4a8_moe_up on the same gate+up weights: the fused
+8- / 32-token f16 kernels), absorb_o1
 (MLA absorb_o, 128 heads, b = 1), kv_a1 / kv_a64 (576 x 7168 at one / 64 tokens), square64 (einsum N = K = 7168
 at 64 tokens: the 64-token kernel under stream-K), square4096 (einsum M = N = K = 7168 /
 4096 tokens: the 192-token kernel). Each runs twice (the first call compiles), so `--launch-skip 1` takes
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_w4a8 import ops  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
-CASES = ("decode64", "down64", "decode512", "down512", "absorb_o1", "kv_a1", "kv_a64", "square64", "square4096")
+CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "absorb_o1", "kv_a1", "kv_a64", "square64", "square4096")
 
 
 def _einsum_case(key, eq, x_shape, w_shape):
@@ -46,6 +47,8 @@ def build(case, key):
         return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 512, 4096, 7168, 0)
     if case == "down512":
         return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 512, 7168, 2048, 0)
+    if case in ("fused64", "fused512"):  # the fused up-projection on the gate+up weights (I = 2048)
+        return jax.jit(ops.w4a8_moe_up), _grouped_case(key, 64 if case == "fused64" else 512, 4096, 7168, 0)
     if case == "absorb_o1":
         return _einsum_case(key, "bhr,hdr->bhd", (1, 128, 512), (128, 128, 512))
     if case == "kv_a1":

@@ -175,6 +175,24 @@ __device__ __forceinline__ float LoadWeightScale(const HopperGemmParams& p, int6
   }
 }
 
+// The same scale's bits as loaded (bfloat16 and UE8M0 codes in the low bits, kept in a float register), for
+// WeightScaleFromBits where the scale is used: converted right after the load (a UE8M0 code is compared with
+// 0xFF), the scale would be waited for there.
+__device__ __forceinline__ float LoadWeightScaleBits(const HopperGemmParams& p, int64_t idx) {
+  switch (p.sw_type) {
+    case WeightScaleType::kF32: return __ldg(static_cast<const float*>(p.sw) + idx);
+    case WeightScaleType::kBf16: return __uint_as_float(__ldg(static_cast<const uint16_t*>(p.sw) + idx));
+    default: return __uint_as_float(__ldg(static_cast<const uint8_t*>(p.sw) + idx));
+  }
+}
+__device__ __forceinline__ float WeightScaleFromBits(WeightScaleType type, float bits) {
+  switch (type) {
+    case WeightScaleType::kF32: return bits;
+    case WeightScaleType::kBf16: return __uint_as_float(__float_as_uint(bits) << 16);
+    default: return Ue8m0ToFloat(static_cast<uint8_t>(__float_as_uint(bits)));
+  }
+}
+
 // The unit table, built by every block (from group_sizes in the grouped GEMM; the einsum's decode tiles need
 // none, see DecodeUnit): batch token ranges and unit prefix sums.
 struct UnitTable {
@@ -851,11 +869,18 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       for (int i = 0; i < kTok / 2; ++i) total[part][i] = 0.0f;
 
     const int64_t g_begin = t.zero ? t.g1 : t.g0;
-    // Weight scales of rows row0 and row0 + 8 per pipeline slot. pre[j] holds the scales of a coming
-    // group, loaded two groups before they are needed so that the global-load latency hides behind
-    // the MMAs and promotions of a whole pair of groups (one group ahead stalled every other group).
+    // Weight scales of rows row0 and row0 + 8: pre[j] holds those of the groups g_begin + j, + 2, + 4, ...,
+    // loaded about two groups before they are needed, so that the global-load latency hides behind the
+    // MMAs and promotions of a pair of groups (one group ahead stalled every other group). kDirect (the
+    // mma.sync and f16 kernels, and those with two groups in flight): the promotion reads the slot itself,
+    // which is reloaded right after it (fp8 weights: the scale's raw bits, converted there, so that a UE8M0
+    // code's 0xFF test does not wait for the load either). The former form, still taken by the other
+    // kernels (whose loops spill without it), copies the slot into sw_copy when the group is issued; there
+    // ptxas moved each freshly loaded scale into the loop-carried register at the end of the iteration,
+    // which waited for the load (H200, ncu: 18% of the fused 8-token kernel's stall samples on one move).
+    constexpr bool kDirect = kSync || kF16 || kPipe == 2;
     float pre[2][kParts][2] = {};
-    float sw[kPipe][kParts][2];
+    float sw_copy[kDirect ? 1 : kPipe][kParts][2];
     float acc[kPipe][kParts][kTok / 2];
     // int4 paths: this thread's A fragments, 4 K steps of 32 (e4m3) or 8 K16 steps (f16).
     uint32_t afrag[kPipe][kParts][kF16 ? 8 : 4][4];
@@ -916,8 +941,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         g = min(g, t.g1 - 1);
 #pragma unroll
         for (int part = 0; part < kParts; ++part) {
-          pre[J][part][0] = LoadWeightScale(p, sw_base[part][0] + g);
-          pre[J][part][1] = LoadWeightScale(p, sw_base[part][1] + g);
+          pre[J][part][0] = kDirect ? LoadWeightScaleBits(p, sw_base[part][0] + g) : LoadWeightScale(p, sw_base[part][0] + g);
+          pre[J][part][1] = kDirect ? LoadWeightScaleBits(p, sw_base[part][1] + g) : LoadWeightScale(p, sw_base[part][1] + g);
         }
       }
     };
@@ -931,13 +956,16 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       load_scales(Pre1{}, g_begin + 1);
     }
 
-    // Wait for group g's stage, build the A operand and issue its MMAs into slot S (wgmma: asynchronously;
-    // mma.sync: the stage is freed here), with the weight scales from pre[J].
-    auto issue = [&](auto slot, auto pre_slot, int64_t g) {
+    // Wait for the next group's stage, build the A operand and issue its MMAs into slot S (wgmma:
+    // asynchronously; mma.sync: the stage is freed here); !kDirect: its weight scales from pre[J] to sw_copy[S].
+    auto issue = [&](auto slot, auto pre_slot) {
       constexpr int S = decltype(slot)::value;
       constexpr int J = decltype(pre_slot)::value;
+      if constexpr (!kDirect) {
 #pragma unroll
-      for (int part = 0; part < kParts; ++part) sw[S][part][0] = pre[J][part][0], sw[S][part][1] = pre[J][part][1];
+        for (int part = 0; part < kParts; ++part)
+          sw_copy[S][part][0] = pre[J][part][0], sw_copy[S][part][1] = pre[J][part][1];
+      }
       sm90::MbarWait(&full[stage], phase);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       slot_stage[S] = stage;
@@ -1061,16 +1089,26 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         turn_pass();
       }
     };
-    // Promote the finished group in slot S: total += sw * sx * partial in fp32; free its stage (wgmma; mma.sync
-    // freed it in issue).
-    auto retire = [&](auto slot) {
+    // Promote the finished group in slot S, whose weight scales are in pre[J] (kDirect) or sw_copy[S]: total
+    // += sw * sx * partial in fp32; free its stage (wgmma; mma.sync freed it in issue).
+    auto retire = [&](auto slot, auto pre_slot) {
       constexpr int S = decltype(slot)::value;
+      constexpr int J = decltype(pre_slot)::value;
+      // fp8 weights, kDirect: the scales from their bits here.
+      float sw[kParts][2];
+#pragma unroll
+      for (int part = 0; part < kParts; ++part)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float v = kDirect ? pre[J][part][r] : sw_copy[kDirect ? 0 : S][part][r];
+          sw[part][r] = kDirect && !kInt4 ? WeightScaleFromBits(p.sw_type, v) : v;
+        }
       if constexpr (kSync) {  // the stage is already free; the token scales are in registers
 #pragma unroll
         for (int j = 0; j < kTok / 4; ++j) {
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
-            const float s0 = sw[S][part][0] * sxv[S][j], s1 = sw[S][part][1] * sxv[S][j];
+            const float s0 = sw[part][0] * sxv[S][j], s1 = sw[part][1] * sxv[S][j];
             const int i = 4 * (j / 2) + (j % 2);
             total[part][i] = fmaf(s0, acc[S][part][i], total[part][i]);
             total[part][i + 2] = fmaf(s1, acc[S][part][i + 2], total[part][i + 2]);
@@ -1090,8 +1128,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           const float a = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
-            const float s0 = sw[S][part][0] * a;
-            const float s1 = decltype(shared_row_scale)::value ? s0 : sw[S][part][1] * a;
+            const float s0 = sw[part][0] * a;
+            const float s1 = decltype(shared_row_scale)::value ? s0 : sw[part][1] * a;
             const int i = 4 * (j / 2) + (j % 2);
             total[part][i] = fmaf(s0, acc[S][part][i], total[part][i]);
             total[part][i + 2] = fmaf(s1, acc[S][part][i + 2], total[part][i + 2]);
@@ -1119,38 +1157,50 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       // MMAs are tracked per register, so they may run across loop edges).
       using Slot1 = std::integral_constant<int, 1>;
       if (g < g1) {
-        issue(Slot0{}, Pre0{}, g);
-        load_scales(Pre0{}, g + 2);
+        issue(Slot0{}, Pre0{});
         for (;; g += 2) {
-          if (g + 1 >= g1) { retire(Slot0{}); break; }
-          issue(Slot1{}, Pre1{}, g + 1);
+          if (g + 1 >= g1) { retire(Slot0{}, Pre0{}); break; }
+          issue(Slot1{}, Pre1{});
+          retire(Slot0{}, Pre0{});
+          load_scales(Pre0{}, g + 2);
+          if (g + 2 >= g1) { retire(Slot1{}, Pre1{}); break; }
+          issue(Slot0{}, Pre0{});
+          retire(Slot1{}, Pre1{});
           load_scales(Pre1{}, g + 3);
-          retire(Slot0{});
-          if (g + 2 >= g1) { retire(Slot1{}); break; }
-          issue(Slot0{}, Pre0{}, g + 2);
-          load_scales(Pre0{}, g + 4);
-          retire(Slot1{});
         }
         g = g1;
+      }
+    } else if constexpr (kPipe == 1 && kDirect) {
+      // One group in flight (two blocks' registers, or the fused kernels' gate + up accumulators), groups
+      // in pairs so that each scale slot keeps its role.
+      for (; g + 1 < g1; g += 2) {
+        issue(Slot0{}, Pre0{});
+        sm90::WgmmaWait<0>();
+        retire(Slot0{}, Pre0{});
+        load_scales(Pre0{}, g + 2);
+        issue(Slot0{}, Pre1{});
+        sm90::WgmmaWait<0>();
+        retire(Slot0{}, Pre1{});
+        load_scales(Pre1{}, g + 3);
       }
     } else if constexpr (kPipe == 1 && kParts == 2) {
       // Fused gate + up: one group at a time, scales one group ahead (two ahead spills registers).
       for (; g + 1 < g1; ++g) {
-        issue(Slot0{}, Pre0{}, g);
+        issue(Slot0{}, Pre0{});
         load_scales(Pre0{}, g + 1);
         sm90::WgmmaWait<0>();
-        retire(Slot0{});
+        retire(Slot0{}, Pre0{});
       }
     } else if constexpr (kPipe == 1) {
       for (; g + 1 < g1; g += 2) {
-        issue(Slot0{}, Pre0{}, g);
+        issue(Slot0{}, Pre0{});
         load_scales(Pre0{}, g + 2);
         sm90::WgmmaWait<0>();
-        retire(Slot0{});
-        issue(Slot0{}, Pre1{}, g + 1);
+        retire(Slot0{}, Pre0{});
+        issue(Slot0{}, Pre1{});
         load_scales(Pre1{}, g + 3);
         sm90::WgmmaWait<0>();
-        retire(Slot0{});
+        retire(Slot0{}, Pre1{});
       }
     } else {
       // Groups in pairs: group g + 1's A operand is built and its MMAs issued while group g's run, and
@@ -1158,21 +1208,21 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       // otherwise serialize every wgmma).
       using Slot1 = std::integral_constant<int, kPipe - 1>;
       for (; g + 1 < g1; g += 2) {
-        issue(Slot0{}, Pre0{}, g);
-        issue(Slot1{}, Pre1{}, g + 1);
-        load_scales(Pre0{}, g + 2);
-        load_scales(Pre1{}, g + 3);
+        issue(Slot0{}, Pre0{});
+        issue(Slot1{}, Pre1{});
         sm90::WgmmaWait<1>();
-        retire(Slot0{});
+        retire(Slot0{}, Pre0{});
+        load_scales(Pre0{}, g + 2);
         sm90::WgmmaWait<0>();
-        retire(Slot1{});
+        retire(Slot1{}, Pre1{});
+        load_scales(Pre1{}, g + 3);
       }
     }
     if constexpr (!kSync) {  // an odd last group (the mma.sync loop takes every group itself)
       if (g < g1) {
-        issue(Slot0{}, Pre0{}, g);
+        issue(Slot0{}, Pre0{});
         sm90::WgmmaWait<0>();
-        retire(Slot0{});
+        retire(Slot0{}, Pre0{});
       }
     }
 
