@@ -870,8 +870,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 
     const int64_t g_begin = t.zero ? t.g1 : t.g0;
     // Weight scales of rows row0 and row0 + 8: pre[j] holds those of the groups g_begin + j, + 2, + 4, ...,
-    // loaded about two groups before they are needed, so that the global-load latency hides behind the
-    // MMAs and promotions of a pair of groups (one group ahead stalled every other group). kDirect (the
+    // loaded one and a half to two groups before they are needed, so that the global-load latency hides
+    // behind MMAs and promotions (one group ahead stalled every other group). kDirect (the
     // mma.sync and f16 kernels, and those with two groups in flight): the promotion reads the slot itself,
     // which is reloaded right after it (fp8 weights: the scale's raw bits, converted there, so that a UE8M0
     // code's 0xFF test does not wait for the load either). The former form, still taken by the other
