@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_w4a8 import ops  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
-CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "absorb_o1", "kv_a1", "kv_a64", "square64", "square4096")
+CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "absorb_o1", "kv_a1", "kv_a64",
+         "square64", "square4096")
 
 
 def _einsum_case(key, eq, x_shape, w_shape):

@@ -941,8 +941,10 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         g = min(g, t.g1 - 1);
 #pragma unroll
         for (int part = 0; part < kParts; ++part) {
-          pre[J][part][0] = kDirect ? LoadWeightScaleBits(p, sw_base[part][0] + g) : LoadWeightScale(p, sw_base[part][0] + g);
-          pre[J][part][1] = kDirect ? LoadWeightScaleBits(p, sw_base[part][1] + g) : LoadWeightScale(p, sw_base[part][1] + g);
+          pre[J][part][0] = kDirect ? LoadWeightScaleBits(p, sw_base[part][0] + g)
+                                    : LoadWeightScale(p, sw_base[part][0] + g);
+          pre[J][part][1] = kDirect ? LoadWeightScaleBits(p, sw_base[part][1] + g)
+                                    : LoadWeightScale(p, sw_base[part][1] + g);
         }
       }
     };
