@@ -115,7 +115,9 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         int4 weights of experts with rows converted to e4m3 once per call, exactly, then CUTLASS's
         grouped FP8 GEMM with per-row scales; bfloat16 output, N a multiple of 8; its scratch holds up
         to ``tiling.CUTLASS_WEIGHT_SCRATCH_BYTES`` of converted weights at a time).
-        See :mod:`jax_w4a8.tiling`. None of these changes the result beyond float32 summation order.
+        See :mod:`jax_w4a8.tiling`. None of these changes the result beyond float32 summation order
+        (and, on the f16 MMA with float32 group scales that are not powers of two, one more rounding
+        of each activation, 2^-11 relative: the group's scale is folded into its f16 activations).
     Returns:
       out_dtype [M, N].
     Raises:

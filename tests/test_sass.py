@@ -195,6 +195,27 @@ def test_int4_decode_loops_stay_lean(kernels):
         assert len(loop) <= per_group * groups, (config, len(loop), groups)
 
 
+F16_KERNELS = [(tok, True, parts, True) for tok in (8, 16, 32) for parts in (1, 2)]
+
+
+def test_f16_loops_promote_without_token_scales(kernels):
+    """The f16 path folds the activation scales into its f16 activations (ConvertXToF16) and applies each
+    token's largest scale after the K loop: its main loops promote with one FFMA per accumulator and the
+    weight scale alone, so no FMUL (scale products) and no shared-memory loads besides the weight fragments'
+    two per part and group. (The former loops read the token scales from the stage and multiplied them by the
+    weight scales every group: 16 / 32 FMUL and 4 / 8 LDS more per group at 16 / 32 tokens.)"""
+    for config in F16_KERNELS:
+        loop = _innermost_mma_loop(kernels[config])
+        mmas = sum(1 for t in loop if re.search(r"\b(HGMMA|HMMA)\b", t))
+        groups = mmas // (8 * config[2])  # 8 K16 steps per 128-K group and part
+        assert groups >= 1, (config, mmas)
+        assert not [t for t in loop if re.search(r"\bFMUL\b", t)], config
+        lds = sum(1 for t in loop if re.search(r"\bLDS\b", t))
+        assert lds <= 2 * config[2] * groups, (config, lds, groups)
+        ffma = sum(1 for t in loop if re.search(r"\bFFMA\b", t))
+        assert ffma == config[2] * config[0] // 2 * groups, (config, ffma, groups)
+
+
 def _first_read_distance(loop, i, reg):
     """Instructions from loop[i] to the next one (cyclically, the loop repeats) that reads register reg, loads
     aside (the listing is linear: a load on another branch of the scale-type switch may reuse the register)."""

@@ -239,6 +239,41 @@ def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (16, "e4m3"), (32, "e4m3")])
+def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
+    """Group scales far apart within a token, zero, negative and NaN, on the tensor-core kernels vs float64.
+
+    The f16 path folds each group's scale into its f16 activations as a ratio to the token's largest scale
+    and applies that largest scale after the K loop: spreads of 2^-28 (powers of two) and 2^-20 (float32)
+    must still match, a token with all scales 0 gives exact zeros (not NaN), and a NaN scale makes its own
+    token's row NaN and no other.
+    """
+    if device.platform != "gpu":
+        pytest.skip("tile configurations exist on the CUDA handler only")
+    m, k, n, sizes = 48, 1024, 256, [20, 0, 28]
+    x8, x_scale, w, w_scale, gs = make_case(rng, m, k, n, sizes)
+    s = np.array(x_scale)  # [m, 8] float32
+    s[0] *= np.exp2(-4.0 * np.arange(8))            # 1 .. 2^-28, powers of two
+    s[1] = 0.0                                      # the whole token: zeros out
+    s[2, 3] = np.nan                                # its row NaN, no other
+    s[3, 1] *= -1.0                                 # a negative scale keeps its sign
+    s[4] *= np.exp2(rng.uniform(-20, 0, 8))         # float32 ratios
+    s[25] *= np.exp2(-4.0 * np.arange(8)[::-1])     # the largest scale in the last group (second expert)
+    args = (x8, jnp.asarray(s), w, w_scale, gs)
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens, mma=mma)
+    out = run_poisoned(fn, (m, n), jnp.float32, args, device)
+    ref = np_ref.grouped_gemm(*args)
+    assert np.isnan(out[2]).all()
+    ok = np.ones(m, bool)
+    ok[2] = False
+    assert np.isfinite(out[ok]).all()
+    assert (out[1] == 0).all()
+    bound = 2e-3 * np.abs(ref[ok]).max(axis=1, keepdims=True) + 1e-30
+    bad = np.abs(out[ok] - ref[ok]) > bound
+    assert not bad.any(), f"{bad.sum()} elements off, rows {sorted(set(np.nonzero(bad)[0].tolist()))[:8]}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("tile_tokens", [16, 32])
 @pytest.mark.parametrize("mma", ["e4m3", "f16"])

@@ -12,8 +12,10 @@
 //                while the other's MMAs run.
 //   f16 MMA path (int4 weights, int4_f16, token tiles 8 / 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions); the activations were converted to f16 in the
-//                matching K order once per call by the preparation kernel (ConvertXToF16), and the
-//                producer loads them by TMA like the e4m3 tiles. 16- and 32-token tiles multiply on
+//                matching K order once per call by the preparation kernel (ConvertXToF16), each group
+//                scaled by its activation scale over the token's largest (applied after the K loop, so
+//                the promotion is total += sw(row, g) * partial), and the producer loads them by TMA
+//                like the e4m3 tiles (without the scale box). 16- and 32-token tiles multiply on
 //                wgmma (weights in registers); 8-token tiles on warp-level mma.sync m16n8k16: each warp
 //                converts and multiplies its own 16 rows, reads the activation fragments with ldmatrix
 //                and frees the stage once its operands are in registers, with the next group's MMAs
@@ -79,6 +81,7 @@ struct Layout {
   static constexpr int kXBytes = kTok * kKGroup * (kF16 ? 2 : 1);
   // Activation scales: a box of kTok + 4 floats starting at the token tile's row rounded down to a
   // multiple of 4, since TMA needs the innermost start 16-byte aligned (expert tiles start anywhere).
+  // The f16 path loads none (its scales are folded into the f16 activations); its stage keeps the room.
   static constexpr int kSxBox = kTok + 4;
   static constexpr int kSxBytes = (kSxBox * 4 + 127) / 128 * 128;
   static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
@@ -140,17 +143,32 @@ __device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t v) {
 // 32 c + 8 t + 2 h + 1 + 4 e. ConvertXToF16 writes each token's 128-K group of activations as f16 in that
 // order (step s at [16 s, 16 s + 16)), so the kernel loads them with TMA as a plain K-major tile. One
 // task (one token's group, word t, thread c) turns 8 e4m3 codes into four f16 pairs.
-__device__ __forceinline__ void ConvertXToF16(const uint8_t* x, uint16_t* xh, int64_t task) {
+//
+// The group's activation scale is folded in, as its ratio to the token's largest scale (|ratio| <= 1, so the
+// f16 values stay within e4m3's 448: no overflow), and the kernel applies that largest scale once, in its
+// epilogue: the promotion per group is then one FFMA per accumulator with the weight scale alone (no token-
+// scale loads or products in the main loop). UE8M0 and per-token or per-tensor scales make the ratio a power
+// of two (or 1): the f16 values are then exact (down to ratios of 2^-15; the smaller ones lose low bits in
+// f16 subnormals, 2^-24 relative to the token's largest group) and the outputs equal the unfolded ones bit
+// for bit; float32 group scales round each activation once more (to f16: 2^-11 relative).
+__device__ __forceinline__ uint32_t ScaleF16x2(uint32_t v, float ratio) {
+  if (ratio == 1.0f) return v;
+  const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&v));
+  const __half2 h = __floats2half2_rn(f.x * ratio, f.y * ratio);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void ConvertXToF16(const uint8_t* x, uint16_t* xh, int64_t task, float ratio) {
   const int c = static_cast<int>(task & 3), t = static_cast<int>((task >> 2) & 3);
   const int64_t group = task >> 4;  // [M, H, G] flattened: group * 128 is its first K in x and xh
   const uint2 b = *reinterpret_cast<const uint2*>(x + group * kKGroup + 32 * c + 8 * t);  // codes [0, 8)
   const uint32_t pa = __byte_perm(b.x, b.y, 0x5140);  // j = 0, 4, 1, 5
   const uint32_t pb = __byte_perm(b.x, b.y, 0x7362);  // j = 2, 6, 3, 7
   uint32_t* d = reinterpret_cast<uint32_t*>(xh + group * kKGroup + 32 * t + 2 * c);  // step 2 t, columns 2 c
-  d[0] = E4m3x2ToF16x2(pa);         // step 2 t, columns 2 c + e
-  d[4] = E4m3x2ToF16x2(pa >> 16);   // step 2 t, columns 8 + 2 c + e
-  d[8] = E4m3x2ToF16x2(pb);         // step 2 t + 1
-  d[12] = E4m3x2ToF16x2(pb >> 16);
+  d[0] = ScaleF16x2(E4m3x2ToF16x2(pa), ratio);         // step 2 t, columns 2 c + e
+  d[4] = ScaleF16x2(E4m3x2ToF16x2(pa >> 16), ratio);   // step 2 t, columns 8 + 2 c + e
+  d[8] = ScaleF16x2(E4m3x2ToF16x2(pb), ratio);         // step 2 t + 1
+  d[12] = ScaleF16x2(E4m3x2ToF16x2(pb >> 16), ratio);
 }
 
 // Index of weight scale (b, row f, group 0); group g is at + g. Rows past the weights clamp.
@@ -796,7 +814,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
                              [&](const Unit& t, int64_t g, int stage, uint32_t phase) {
       sm90::MbarWait(&empty[stage], phase ^ 1);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
-      sm90::MbarArriveExpectTx(&full[stage], L::kWBytes + L::kXBytes + L::kSxBox * 4);
+      // The f16 path's activation scales are folded into its f16 activations (ConvertXToF16): no scale box.
+      sm90::MbarArriveExpectTx(&full[stage], L::kWBytes + L::kXBytes + (kF16 ? 0 : L::kSxBox * 4));
 #pragma unroll
       for (int part = 0; part < kParts; ++part)
         sm90::TmaLoad3d(st + part * L::kWPartBytes, &map_w, &full[stage],
@@ -807,8 +826,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       if constexpr (kF16)  // the f16 tile's second half: K [64, 128) of the group
         sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes / 2, &map_x, &full[stage], static_cast<int>(g * kKGroup + 64),
                         t.head, static_cast<int>(t.m0));
-      sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
-                      t.head, static_cast<int>(g));
+      if constexpr (!kF16)
+        sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
+                        t.head, static_cast<int>(g));
     });
     return;
   }
@@ -869,6 +889,17 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       for (int i = 0; i < kTok / 2; ++i) total[part][i] = 0.0f;
 
     const int64_t g_begin = t.zero ? t.g1 : t.g0;
+    // f16 path: this thread's tokens' largest activation scales (PrepareActScalesKernel: the group-0 plane),
+    // applied after the loop (see ConvertXToF16); 0 past the unit's rows and on zero-fill units (whose rows'
+    // scales may be anything; their totals stay 0). Loaded here, so that the loads complete under the loop.
+    float tok_s[kF16 ? kTok / 4 : 1];
+    if constexpr (kF16) {
+#pragma unroll
+      for (int j = 0; j < kTok / 4; ++j) {
+        const int64_t m = t.m0 + 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
+        tok_s[j] = !t.zero && m < t.m_end ? __ldg(p.sx + t.head * p.mp + m) : 0.0f;
+      }
+    }
     // Weight scales of rows row0 and row0 + 8: pre[j] holds those of the groups g_begin + j, + 2, + 4, ...,
     // loaded one and a half to two groups before they are needed, so that the global-load latency hides
     // behind MMAs and promotions (one group ahead stalled every other group). kDirect (the
@@ -884,7 +915,6 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     float acc[kPipe][kParts][kTok / 2];
     // int4 paths: this thread's A fragments, 4 K steps of 32 (e4m3) or 8 K16 steps (f16).
     uint32_t afrag[kPipe][kParts][kF16 ? 8 : 4][4];
-    float sxv[kPipe][kTok / 4];  // mma.sync: this thread's token scales of the group in each slot
     int slot_stage[kPipe];
     int64_t sw_base[kParts][2];
 #pragma unroll
@@ -948,8 +978,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         }
       }
     };
-    // This thread's token scales in a stage (mma.sync; + stage address) and its f16-path weight bytes (+ part).
-    const uint32_t sx_lane = L::kWBytes + L::kXBytes + 4 * static_cast<uint32_t>((t.m0 & 3) + 2 * (lane % 4));
+    // This thread's f16-path weight bytes in a stage (+ stage address, + part).
     const uint32_t frag_off = frag_row * 64 + ((static_cast<uint32_t>(lane % 4) ^ frag_swz) * 16);
     using Pre0 = std::integral_constant<int, 0>;
     using Pre1 = std::integral_constant<int, 1>;
@@ -979,9 +1008,6 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         // row n sits at chunk c ^ (n % 8); step s of half s / 4 is chunks 2 (s % 4) and + 1). The stage is
         // freed once its operands are in registers.
         const uint32_t st_addr = sm90::SmemAddr(st);
-        const uint32_t sx = st_addr + sx_lane;
-#pragma unroll
-        for (int j = 0; j < kTok / 4; ++j) sxv[S][j] = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
         uint4 qa[kParts], qb[kParts];
 #pragma unroll
         for (int part = 0; part < kParts; ++part) {
@@ -1092,7 +1118,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       }
     };
     // Promote the finished group in slot S, whose weight scales are in pre[J] (kDirect) or sw_copy[S]: total
-    // += sw * sx * partial in fp32; free its stage (wgmma; mma.sync freed it in issue).
+    // += sw * sx * partial in fp32 (f16 path: total += sw * partial, its token scales folded into the
+    // activations and applied after the loop); free its stage (wgmma; mma.sync freed it in issue).
     auto retire = [&](auto slot, auto pre_slot) {
       constexpr int S = decltype(slot)::value;
       constexpr int J = decltype(pre_slot)::value;
@@ -1105,17 +1132,18 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           const float v = kDirect ? pre[J][part][r] : sw_copy[kDirect ? 0 : S][part][r];
           sw[part][r] = kDirect && !kInt4 ? WeightScaleFromBits(p.sw_type, v) : v;
         }
-      if constexpr (kSync) {  // the stage is already free; the token scales are in registers
+      if constexpr (kF16) {
+        // Accumulator i is row (i / 2) % 2 (see promote below).
 #pragma unroll
-        for (int j = 0; j < kTok / 4; ++j) {
+        for (int part = 0; part < kParts; ++part)
 #pragma unroll
-          for (int part = 0; part < kParts; ++part) {
-            const float s0 = sw[part][0] * sxv[S][j], s1 = sw[part][1] * sxv[S][j];
-            const int i = 4 * (j / 2) + (j % 2);
-            total[part][i] = fmaf(s0, acc[S][part][i], total[part][i]);
-            total[part][i + 2] = fmaf(s1, acc[S][part][i + 2], total[part][i + 2]);
-          }
-        }
+          for (int i = 0; i < kTok / 2; ++i)
+            total[part][i] = fmaf(sw[part][(i / 2) % 2], acc[S][part][i], total[part][i]);
+        if constexpr (kSync) return;  // the stage is already free
+        // The weight fragments were read by LDS in issue: the fence as below before the stage is freed.
+        sm90::FenceProxyAsyncShared();
+        __syncwarp();
+        sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
         return;
       }
       const uint32_t sx = sm90::SmemAddr(smem + static_cast<size_t>(slot_stage[S]) * L::kStageBytes + L::kWBytes +
@@ -1228,6 +1256,14 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       }
     }
 
+    if constexpr (kF16) {  // the tokens' largest activation scales, folded out of the f16 activations
+#pragma unroll
+      for (int j = 0; j < kTok / 4; ++j) {
+        const int i = 4 * (j / 2) + (j % 2);
+#pragma unroll
+        for (int part = 0; part < kParts; ++part) total[part][i] *= tok_s[j], total[part][i + 2] *= tok_s[j];
+      }
+    }
     if constexpr (kParts == 2) {
       FusedUpEpilogue<kTok>(p, t, total[0], total[1], red, cw, warp, lane, row0);
     } else {
@@ -1256,21 +1292,62 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   }  // weights on the A side
 }
 
+// Activation scale of (token row, head, group g) as the caller gave it.
+__device__ __forceinline__ float ActScaleAt(const void* src, ActScaleKind kind, int64_t row, int64_t head, int64_t h,
+                                            int64_t groups, int64_t g) {
+  switch (kind) {
+    case ActScaleKind::kTensorF32: return static_cast<const float*>(src)[0];
+    case ActScaleKind::kTokenF32: return static_cast<const float*>(src)[row];
+    case ActScaleKind::kGroupF32: return static_cast<const float*>(src)[(row * h + head) * groups + g];
+    default: return Ue8m0ToFloat(static_cast<const uint8_t*>(src)[(row * h + head) * groups + g]);
+  }
+}
+
+// The largest |scale| of a token row and head over its groups (warp-collective: every lane gets it). NaN
+// scales are skipped here and reach the output through their own group's ratio.
+__device__ __forceinline__ float TokenScaleMax(const void* src, ActScaleKind kind, int64_t row, int64_t head,
+                                               int64_t h, int64_t groups, int lane) {
+  if (kind == ActScaleKind::kTensorF32 || kind == ActScaleKind::kTokenF32)
+    return fabsf(ActScaleAt(src, kind, row, head, h, groups, 0));
+  float v = 0.0f;
+  for (int64_t g = lane; g < groups; g += 32) v = fmaxf(v, fabsf(ActScaleAt(src, kind, row, head, h, groups, g)));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+  return v;
+}
+
+// A group's scale over its token's largest (see ScaleF16x2): s * 0 where the largest is 0, so that a NaN
+// scale still makes NaN rather than 0.
+__device__ __forceinline__ float GroupScaleRatio(float s, float s_max) {
+  return s == s_max ? 1.0f : s_max != 0.0f ? __fdiv_rn(s, s_max) : s * 0.0f;
+}
+
 // Activation scales into the kernel's layout, and the split-K workspace cleared (n_zero floats): one
-// launch for both.
+// launch for both. The f16 MMA path (xh): the activations to f16 with each group's scale folded in
+// (ConvertXToF16), and in the scale layout's group-0 plane each token's largest scale, which the GEMM
+// applies in its epilogue (the other planes are not read there).
 __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
                                        int64_t groups, int64_t mp, float* zero, int64_t n_zero,
                                        const int32_t* group_sizes, int64_t b, void* out, bool out_bf16, int64_t f,
                                        const uint8_t* x, uint16_t* xh) {
   sm90::LaunchDependents();  // the GEMM's blocks may start (they wait for this grid before reading its output)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  if (xh != nullptr) {  // the f16 MMA path's activations (16 tasks per token, head and K group)
-    const int64_t tasks = m * h * groups * 16;
-    for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < tasks; i += stride)
-      ConvertXToF16(x, xh, i);
+  const int64_t thread = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (xh != nullptr) {
+    // The f16 MMA path's activations: a warp per token row, head and pair of groups (32 tasks of 8 codes).
+    // The loop is warp-uniform (block and grid sizes are multiples of 32), as TokenScaleMax needs.
+    const int lane = threadIdx.x % 32;
+    const int64_t pairs = (groups + 1) / 2, warps = m * h * pairs;
+    for (int64_t w = thread / 32; w < warps; w += stride / 32) {
+      const int64_t rh = w / pairs, row = rh / h, head = rh % h, g = 2 * (w % pairs) + lane / 16;
+      const float s_max = TokenScaleMax(src, kind, row, head, h, groups, lane);
+      if (g < groups) {
+        const float ratio = GroupScaleRatio(ActScaleAt(src, kind, row, head, h, groups, g), s_max);
+        ConvertXToF16(x, xh, ((rh * groups + g) << 4) | (lane & 15), ratio);
+      }
+    }
   }
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n_zero; i += stride)
-    zero[i] = 0.0f;
+  for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
   if (group_sizes != nullptr) {
     // Grouped GEMM under split-K: the output rows past the last expert are zeroed here (the GEMM's
     // units cover the experts' rows only, so that padding takes no share of the stream-K iterations:
@@ -1284,25 +1361,24 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       if (threadIdx.x == 0) pad_start = rows < m ? rows : m;
     }
     __syncthreads();
-    for (int64_t i = pad_start * f + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < m * f;
-         i += stride) {
+    for (int64_t i = pad_start * f + thread; i < m * f; i += stride) {
       if (out_bf16) static_cast<uint16_t*>(out)[i] = 0;
       else static_cast<float*>(out)[i] = 0.0f;
     }
   }
-  const int64_t n = groups * h * mp;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
-    const int64_t row = i % mp, head = (i / mp) % h, g = i / (mp * h);
-    float v = 0.0f;
-    if (row < m) {
-      switch (kind) {
-        case ActScaleKind::kTensorF32: v = static_cast<const float*>(src)[0]; break;
-        case ActScaleKind::kTokenF32: v = static_cast<const float*>(src)[row]; break;
-        case ActScaleKind::kGroupF32: v = static_cast<const float*>(src)[(row * h + head) * groups + g]; break;
-        default: v = Ue8m0ToFloat(static_cast<const uint8_t*>(src)[(row * h + head) * groups + g]); break;
-      }
+  if (xh != nullptr) {  // the tokens' largest scales (group-0 plane), warp-collective as above
+    const int lane = threadIdx.x % 32;
+    for (int64_t w = thread / 32; w < h * mp; w += stride / 32) {
+      const int64_t row = w % mp, head = w / mp;
+      const float s_max = row < m ? TokenScaleMax(src, kind, row, head, h, groups, lane) : 0.0f;
+      if (lane == 0) dst[w] = s_max;
     }
-    dst[i] = v;
+    return;
+  }
+  const int64_t n = groups * h * mp;
+  for (int64_t i = thread; i < n; i += stride) {
+    const int64_t row = i % mp, head = (i / mp) % h, g = i / (mp * h);
+    dst[i] = row < m ? ActScaleAt(src, kind, row, head, h, groups, g) : 0.0f;
   }
 }
 
