@@ -274,6 +274,39 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (16, "e4m3"), (32, "e4m3")])
+def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mma):
+    """A token whose scales are all 0 gives exact zeros even where its unscaled sums overflow float32 (codes
+    of 448 under weight scales near 1e35: never Inf * 0 = NaN), and a token with an infinite scale gives no
+    finite output (never a silently finite row); the other tokens match float64.
+    """
+    if device.platform != "gpu":
+        pytest.skip("tile configurations exist on the CUDA handler only")
+    m, k, n, sizes = 40, 512, 256, [24, 16]
+    _, _, w, w_scale, gs = make_case(rng, m, k, n, sizes)
+    x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
+    x[[3, 30]] = 448.0                                            # second expert too
+    x8 = jnp.asarray(x, jnp.float8_e4m3fn)
+    s = (rng.uniform(1, 2, (m, k // 128)) * 1e-35).astype(np.float32)
+    ws = (rng.uniform(1, 2, np.shape(w_scale)) * 1e35).astype(np.float32)
+    s[[3, 30]] = 0.0
+    s[7, 2] = -np.inf
+    s[33, 0] = np.inf
+    args = (x8, jnp.asarray(s), w, jnp.asarray(ws), gs)
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens, mma=mma)
+    out = run_poisoned(fn, (m, n), jnp.float32, args, device)
+    assert (out[3] == 0).all() and (out[30] == 0).all()
+    assert not np.isfinite(out[7]).any() and not np.isfinite(out[33]).any()
+    ok = np.ones(m, bool)
+    ok[[3, 7, 30, 33]] = False
+    ref = np_ref.grouped_gemm(*args)
+    assert np.isfinite(out[ok]).all()
+    bound = 2e-3 * np.abs(ref[ok]).max(axis=1, keepdims=True) + 1e-30
+    bad = np.abs(out[ok] - ref[ok]) > bound
+    assert not bad.any(), f"{bad.sum()} elements off, rows {sorted(set(np.nonzero(bad)[0].tolist()))[:8]}"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 @pytest.mark.parametrize("tile_tokens", [16, 32])
 @pytest.mark.parametrize("mma", ["e4m3", "f16"])

@@ -158,10 +158,15 @@ __device__ __forceinline__ uint32_t ScaleF16x2(uint32_t v, float ratio) {
   return *reinterpret_cast<const uint32_t*>(&h);
 }
 
-__device__ __forceinline__ void ConvertXToF16(const uint8_t* x, uint16_t* xh, int64_t task, float ratio) {
+// A task's 8 e4m3 codes (load them before the scales the ratio needs, so that the loads overlap).
+__device__ __forceinline__ uint2 LoadXCodes(const uint8_t* x, int64_t task) {
+  const int c = static_cast<int>(task & 3), t = static_cast<int>((task >> 2) & 3);
+  return *reinterpret_cast<const uint2*>(x + (task >> 4) * kKGroup + 32 * c + 8 * t);  // codes [0, 8)
+}
+
+__device__ __forceinline__ void ConvertXToF16(uint2 b, uint16_t* xh, int64_t task, float ratio) {
   const int c = static_cast<int>(task & 3), t = static_cast<int>((task >> 2) & 3);
   const int64_t group = task >> 4;  // [M, H, G] flattened: group * 128 is its first K in x and xh
-  const uint2 b = *reinterpret_cast<const uint2*>(x + group * kKGroup + 32 * c + 8 * t);  // codes [0, 8)
   const uint32_t pa = __byte_perm(b.x, b.y, 0x5140);  // j = 0, 4, 1, 5
   const uint32_t pb = __byte_perm(b.x, b.y, 0x7362);  // j = 2, 6, 3, 7
   uint32_t* d = reinterpret_cast<uint32_t*>(xh + group * kKGroup + 32 * t + 2 * c);  // step 2 t, columns 2 c
@@ -1140,35 +1145,32 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           for (int i = 0; i < kTok / 2; ++i)
             total[part][i] = fmaf(sw[part][(i / 2) % 2], acc[S][part][i], total[part][i]);
         if constexpr (kSync) return;  // the stage is already free
-        // The weight fragments were read by LDS in issue: the fence as below before the stage is freed.
-        sm90::FenceProxyAsyncShared();
-        __syncwarp();
-        sm90::MbarArriveIf(&empty[slot_stage[S]], lane == 0);
-        return;
-      }
-      const uint32_t sx = sm90::SmemAddr(smem + static_cast<size_t>(slot_stage[S]) * L::kStageBytes + L::kWBytes +
-                                         L::kXBytes) + 4 * static_cast<uint32_t>((t.m0 & 3) + 2 * (lane % 4));
-      // This thread's tokens: 8 (j / 2) + 2 (lane % 4) + j % 2, j < kTok / 4; rows row0 and row0 + 8.
-      // Accumulator i holds token j = 2 (i / 4) + i % 2 of row (i / 2) % 2. One scale product per
-      // (row, token), made where it is used; with 128-row scale blocks (the block-scaled einsum) both
-      // rows share one weight scale, so one product per token (a uniform branch, not a select).
-      auto promote = [&](auto shared_row_scale) {
+      } else {
+        const uint32_t sx = sm90::SmemAddr(smem + static_cast<size_t>(slot_stage[S]) * L::kStageBytes + L::kWBytes +
+                                           L::kXBytes) + 4 * static_cast<uint32_t>((t.m0 & 3) + 2 * (lane % 4));
+        // This thread's tokens: 8 (j / 2) + 2 (lane % 4) + j % 2, j < kTok / 4; rows row0 and row0 + 8.
+        // Accumulator i holds token j = 2 (i / 4) + i % 2 of row (i / 2) % 2. One scale product per
+        // (row, token), made where it is used; with 128-row scale blocks (the block-scaled einsum) both
+        // rows share one weight scale, so one product per token (a uniform branch, not a select).
+        auto promote = [&](auto shared_row_scale) {
 #pragma unroll
-        for (int j = 0; j < kTok / 4; ++j) {
-          const float a = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
+          for (int j = 0; j < kTok / 4; ++j) {
+            const float a = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
 #pragma unroll
-          for (int part = 0; part < kParts; ++part) {
-            const float s0 = sw[part][0] * a;
-            const float s1 = decltype(shared_row_scale)::value ? s0 : sw[part][1] * a;
-            const int i = 4 * (j / 2) + (j % 2);
-            total[part][i] = fmaf(s0, acc[S][part][i], total[part][i]);
-            total[part][i + 2] = fmaf(s1, acc[S][part][i + 2], total[part][i + 2]);
+            for (int part = 0; part < kParts; ++part) {
+              const float s0 = sw[part][0] * a;
+              const float s1 = decltype(shared_row_scale)::value ? s0 : sw[part][1] * a;
+              const int i = 4 * (j / 2) + (j % 2);
+              total[part][i] = fmaf(s0, acc[S][part][i], total[part][i]);
+              total[part][i + 2] = fmaf(s1, acc[S][part][i + 2], total[part][i + 2]);
+            }
           }
-        }
-      };
-      if (!kInt4 && p.sw_row_shift == 7) promote(std::true_type{});
-      else promote(std::false_type{});
-      // The scale loads above read the stage through the generic proxy; the producer's next TMA writes
+        };
+        if (!kInt4 && p.sw_row_shift == 7) promote(std::true_type{});
+        else promote(std::false_type{});
+      }
+      // The scale loads above (f16 path: the weight fragments' loads in issue) read the stage through the
+      // generic proxy; the producer's next TMA writes
       // it through the async proxy once the stage is free: a cross-proxy fence orders the two (without
       // it the H200 now and then freed the stage before those loads had read it: one token's scale of
       // one group was taken from the group `stages` later). DeepEP met the same LDS-then-TMA race
@@ -1316,10 +1318,11 @@ __device__ __forceinline__ float TokenScaleMax(const void* src, ActScaleKind kin
   return v;
 }
 
-// A group's scale over its token's largest (see ScaleF16x2): s * 0 where the largest is 0, so that a NaN
-// scale still makes NaN rather than 0.
+// A group's scale over its token's largest (see ScaleF16x2): s * 0 where the largest is 0 (0 for a token whose
+// scales are all 0, so that its totals are 0 before the multiply by 0, never Inf * 0; NaN stays NaN), and
+// +-1 where |s| is the largest (an infinite scale gives +-Inf outputs, not Inf / Inf).
 __device__ __forceinline__ float GroupScaleRatio(float s, float s_max) {
-  return s == s_max ? 1.0f : s_max != 0.0f ? __fdiv_rn(s, s_max) : s * 0.0f;
+  return s_max == 0.0f ? s * 0.0f : fabsf(s) == s_max ? copysignf(1.0f, s) : __fdiv_rn(s, s_max);
 }
 
 // Activation scales into the kernel's layout, and the split-K workspace cleared (n_zero floats): one
@@ -1340,11 +1343,14 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
     const int64_t pairs = (groups + 1) / 2, warps = m * h * pairs;
     for (int64_t w = thread / 32; w < warps; w += stride / 32) {
       const int64_t rh = w / pairs, row = rh / h, head = rh % h, g = 2 * (w % pairs) + lane / 16;
+      const int64_t task = ((rh * groups + g) << 4) | (lane & 15);
+      // The codes and this group's scale first: their loads then overlap the largest scale's.
+      const bool in = g < groups;
+      const uint2 codes = in ? LoadXCodes(x, task) : uint2{0u, 0u};
+      const float s = in ? ActScaleAt(src, kind, row, head, h, groups, g) : 0.0f;
       const float s_max = TokenScaleMax(src, kind, row, head, h, groups, lane);
-      if (g < groups) {
-        const float ratio = GroupScaleRatio(ActScaleAt(src, kind, row, head, h, groups, g), s_max);
-        ConvertXToF16(x, xh, ((rh * groups + g) << 4) | (lane & 15), ratio);
-      }
+      if (in) ConvertXToF16(codes, xh, task, GroupScaleRatio(s, s_max));
+      if (w % pairs == 0 && lane == 0) dst[head * mp + row] = s_max;  // the group-0 plane (rows < m are read)
     }
   }
   for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
@@ -1366,15 +1372,7 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       else static_cast<float*>(out)[i] = 0.0f;
     }
   }
-  if (xh != nullptr) {  // the tokens' largest scales (group-0 plane), warp-collective as above
-    const int lane = threadIdx.x % 32;
-    for (int64_t w = thread / 32; w < h * mp; w += stride / 32) {
-      const int64_t row = w % mp, head = w / mp;
-      const float s_max = row < m ? TokenScaleMax(src, kind, row, head, h, groups, lane) : 0.0f;
-      if (lane == 0) dst[w] = s_max;
-    }
-    return;
-  }
+  if (xh != nullptr) return;  // the f16 path's scales: written with its activations above
   const int64_t n = groups * h * mp;
   for (int64_t i = thread; i < n; i += stride) {
     const int64_t row = i % mp, head = (i / mp) % h, g = i / (mp * h);
