@@ -1,6 +1,6 @@
 """W4A8 grouped GEMM vs its peers, one EP8 shard of DeepSeek-R1 (32 local experts), one process.
 
-    python benchmarks/bench_grouped_gemm.py [--quick] [--out DIR]       # on the GPU
+    python benchmarks/bench_grouped_gemm.py [--quick] [--ms 64 256 ...] [--out DIR]  # on the GPU
     python benchmarks/bench_grouped_gemm.py --report DIR/grouped_gemm.json  # RESULTS.md + plot from JSON
 
 Shapes: gate+up N=4096 K=7168 and down N=7168 K=2048; M = routed rows on this GPU spread evenly over
@@ -58,7 +58,7 @@ def run(args):
     floor = C.harness_floor()
     print(f"timing harness floor {floor * 1e6:.1f} us per call (adaptive n)", flush=True)
     torch_ok = C.have_torch() and not args.no_torch
-    ms = MS_QUICK if args.quick else MS_FULL
+    ms = args.ms or (MS_QUICK if args.quick else MS_FULL)
     configs = PALLAS_CONFIGS[:2] if args.quick else PALLAS_CONFIGS
     rows = []
     key = jax.random.key(0)
@@ -293,6 +293,9 @@ def plot(payload, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="fewer M values and Pallas configs")
+    p.add_argument("--ms", type=int, nargs="+", metavar="M",
+                   help=f"routed rows to measure (default {MS_FULL}; --quick: {MS_QUICK}); skewed routing at "
+                        f"those of {SKEWED_MS} listed")
     p.add_argument("--no-torch", action="store_true")
     p.add_argument("--peers", choices=["all", "fast", "none"], default="all",
                    help="fast: Pallas and torch only (XLA ragged_dot runs ~24 TFLOP/s and takes long)")
