@@ -155,9 +155,32 @@ def out_dir(arg):
     return d
 
 
+def library_build() -> dict:
+    """The measured library: its version and the fingerprint of the ffi/ sources its modules were built from
+    (``jax_w4a8.build_info``), so that a result names the kernels it ran. Warns when the loaded modules were
+    built from other sources than this checkout's ``ffi/``."""
+    import warnings
+
+    import jax_w4a8
+
+    info = jax_w4a8.build_info()
+    stale = (info["checkout"] or {}).get("stale", [])
+    if stale:
+        warnings.warn(f"jax_w4a8's {stale} module(s) were built from other sources than {info['checkout']['ffi_dir']}"
+                      " (rebuild before measuring)", stacklevel=2)
+    return {"version": info["version"], "cuda_source_sha256": info["cuda"]["source_sha256"],
+            "cpu_source_sha256": info["cpu"]["source_sha256"], "cutlass": info["cutlass"], "stale": stale}
+
+
+def build_note(payload) -> str:
+    """'; jax_w4a8 ffi sources 1a2b3c4d5e6f' for a report's first line ('' for payloads without a build)."""
+    sha = (payload.get("build") or {}).get("cuda_source_sha256")
+    return f"; jax_w4a8 ffi sources {sha[:12]}" if sha else ""
+
+
 def save_json(path, payload):
     payload = dict(payload, date=datetime.date.today().isoformat(), jax=jax.__version__,
-                   device=str(jax.devices()[0].device_kind))
+                   device=str(jax.devices()[0].device_kind), build=library_build())
     pathlib.Path(path).write_text(json.dumps(payload, indent=1))
 
 

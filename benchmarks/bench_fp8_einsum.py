@@ -181,7 +181,8 @@ def report(payload):
         if "native_us" in r:
             d["this library's kernel (plan, us)"] = f"{r['native_plan']}, {r['native_us']:.1f}"
         md.append(d)
-    body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
+    body = (f"Measured {payload.get('date')} on {payload.get('device')} "
+            f"(jax {payload.get('jax')}{C.build_note(payload)}), "
             f"`{payload.get('command', 'python benchmarks/bench_fp8_einsum.py')}`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
             "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours; "
             "plan `cutlass` = CUTLASS's blockwise-scaled GEMM (`kernel=\"cutlass\"`), with this library's own "

@@ -244,7 +244,8 @@ def report(payload, out):
         d["other MMA us"] = " ".join(f"{k}: {v:.0f}" for k, v in mma_times(r).items())
         d["other kernel us"] = " ".join(f"{k}: {v:.0f}" for k, v in kernel_times(r).items())
         md.append(d)
-    body = (f"Measured {payload.get('date')} on {payload.get('device')} (jax {payload.get('jax')}), "
+    body = (f"Measured {payload.get('date')} on {payload.get('device')} "
+            f"(jax {payload.get('jax')}{C.build_note(payload)}), "
             f"`{payload.get('command', 'python benchmarks/bench_grouped_gemm.py')}`; copy bandwidth "
             f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; `vs X` is X's time over ours (higher is better for "
             "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`, or `cutlass` (int4 weights "

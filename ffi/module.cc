@@ -1,6 +1,6 @@
 // The Python modules jax_w4a8._lib._ffi_cpu and jax_w4a8._lib._ffi_cuda (this file compiled twice,
-// with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule}; the
-// CUDA module also has built_with_cutlass() and the scratch each CUDA handler checks for a plan
+// with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule} and
+// source_sha256() (the fingerprint of the ffi/ sources it was built from); the CUDA module also has built_with_cutlass() and the scratch each CUDA handler checks for a plan
 // (w4a8_grouped_gemm_scratch, w4a8_moe_up_scratch, fp8_einsum_scratch; tests/test_tiling.py).
 // Target names must match jax_w4a8/_ffi.py:TARGETS.
 #include <nanobind/nanobind.h>
@@ -34,6 +34,10 @@ size_t CutlassBlockwiseScratchBytes(int64_t m, int64_t h, int64_t n, int64_t k, 
 }
 #endif
 
+#ifndef JAX_W4A8_SOURCE_SHA256  // set by CMakeLists.txt: the fingerprint of the ffi/ sources compiled here
+#define JAX_W4A8_SOURCE_SHA256 "unknown"
+#endif
+
 namespace nb = nanobind;
 
 namespace {
@@ -55,6 +59,8 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
 #endif
     return d;
   });
+  // Which sources this module was built from (jax_w4a8.build_info() compares it with a source checkout's).
+  m.def("source_sha256", []() { return JAX_W4A8_SOURCE_SHA256; });
 #if defined(JAX_W4A8_CUDA)
   // Whether the fp8 einsum's CUTLASS prefill kernel was compiled in (jax_w4a8.tiling plans it only then).
   m.def("built_with_cutlass", []() { return jax_w4a8::CutlassBlockwiseBuilt() && jax_w4a8::W4a8CutlassBuilt(); });

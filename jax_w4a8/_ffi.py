@@ -9,12 +9,15 @@ platform on the reference path, and :func:`ffi_available` says why.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
 import os
+import pathlib
 
 import jax
 
-__all__ = ["FfiAvailability", "ffi_available", "built_with_cutlass", "export_disabled_checks", "TARGETS"]
+__all__ = ["FfiAvailability", "ffi_available", "built_with_cutlass", "build_info", "source_fingerprint",
+           "export_disabled_checks", "TARGETS"]
 
 # Target names, one per op; the same name is registered for every platform that has a handler.
 TARGETS = {
@@ -80,6 +83,50 @@ def built_with_cutlass() -> bool:
         return False
     module = importlib.import_module(f"jax_w4a8._lib.{_MODULES['cuda'][0]}")
     return bool(getattr(module, "built_with_cutlass", lambda: False)())
+
+
+def source_fingerprint(ffi_dir) -> str:
+    """The fingerprint CMake compiles into the modules, computed from an ``ffi/`` folder on disk.
+
+    SHA-256 of what ``sha256sum`` prints for every file under it, paths relative to its parent (``ffi/...``)
+    and sorted: ``cd ROOT && find ffi -type f | sort | xargs sha256sum | sha256sum`` gives the same.
+    """
+    root = pathlib.Path(ffi_dir)
+    lines = []
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = f"{root.name}/{f.relative_to(root).as_posix()}"
+        lines.append(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {rel}\n")
+    return hashlib.sha256("".join(lines).encode()).hexdigest()
+
+
+def build_info() -> dict:
+    """What this installation runs: the package version and, per platform module, whether it loaded and
+    which ``ffi/`` sources it was built from.
+
+    Returns ``{"version", "cutlass", "cpu": {...}, "cuda": {...}, "checkout": {...} or None}``; each platform
+    entry has ``available``, ``reason`` and ``source_sha256`` (None where the module did not load, "unknown"
+    for a build without the fingerprint, such as Bazel's). In a source checkout (``ffi/`` next to the package)
+    ``checkout`` holds that folder's fingerprint and ``stale``: the platforms whose loaded module was built
+    from other sources (rebuild: ``cmake --build build && cmake --install build``). Benchmarks and bug reports
+    should quote it, so that results name the kernels they ran.
+    """
+    from jax_w4a8 import __version__
+
+    info = {"version": __version__, "cutlass": built_with_cutlass()}
+    for platform, (module_name, _) in _MODULES.items():
+        status = _STATUS[platform]
+        sha = None
+        if status:
+            module = importlib.import_module(f"jax_w4a8._lib.{module_name}")
+            sha = getattr(module, "source_sha256", lambda: "unknown")()
+        info[platform] = {"available": status.available, "reason": status.reason, "source_sha256": sha}
+    ffi_dir = pathlib.Path(__file__).resolve().parent.parent / "ffi"
+    info["checkout"] = None
+    if ffi_dir.is_dir():
+        here = source_fingerprint(ffi_dir)
+        stale = [p for p in _MODULES if info[p]["source_sha256"] not in (None, "unknown", here)]
+        info["checkout"] = {"ffi_dir": str(ffi_dir), "source_sha256": here, "stale": stale}
+    return info
 
 
 def export_disabled_checks() -> list:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_w4a8 import ffi_available, ops, quant
+from jax_w4a8 import build_info, ffi_available, ops, quant
 
 
 def _rel(a, b):
@@ -39,9 +39,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     backend = jax.default_backend()
     print(f"jax {jax.__version__} on {backend}: {jax.devices()[0].device_kind}")
+    info = build_info()
     for plat in ("cpu", "cuda"):
         st = ffi_available(plat)
-        print(f"  FFI handlers for {plat}: {'yes' if st else 'no (' + st.reason + ')'}")
+        built = f", built from ffi sources {info[plat]['source_sha256'][:12]}" if st else ""
+        print(f"  FFI handlers for {plat}: {'yes' + built if st else 'no (' + st.reason + ')'}")
+    if info["checkout"] and info["checkout"]["stale"]:
+        print(f"  WARNING: {info['checkout']['ffi_dir']} has changed since the {info['checkout']['stale']} module(s) "
+              "were built: rebuild (cmake --build build && cmake --install build)")
     rng = np.random.default_rng(args.seed)
     k, n, e, m = 7168, 512, args.experts, args.rows
 

@@ -61,3 +61,42 @@ def test_built_with_cutlass_follows_the_cuda_module(monkeypatch):
     assert isinstance(got, bool)
     monkeypatch.setitem(ffi._STATUS, "cuda", ffi.FfiAvailability("cuda", False, "disabled for the test"))
     assert ffi.built_with_cutlass() is False
+
+
+def test_source_fingerprint_follows_every_file(tmp_path):
+    """The fingerprint recipe (CMakeLists.txt compiles the same into the modules): sha256sum lines, sorted."""
+    import hashlib
+
+    from jax_w4a8._ffi import source_fingerprint
+
+    root = tmp_path / "ffi"
+    (root / "cuda").mkdir(parents=True)
+    (root / "module.cc").write_bytes(b"int main() {}\n")
+    (root / "cuda" / "k.cu").write_bytes(b"__global__ void k() {}\n")
+    lines = "".join(f"{hashlib.sha256(b).hexdigest()}  {p}\n" for p, b in
+                    [("ffi/cuda/k.cu", b"__global__ void k() {}\n"), ("ffi/module.cc", b"int main() {}\n")])
+    first = source_fingerprint(root)
+    assert first == hashlib.sha256(lines.encode()).hexdigest()
+    (root / "cuda" / "k.cu").write_bytes(b"__global__ void k() { }\n")
+    assert source_fingerprint(root) != first
+    (root / "cuda" / "k.cu").write_bytes(b"__global__ void k() {}\n")
+    (root / "extra.h").write_bytes(b"")
+    assert source_fingerprint(root) != first
+
+
+def test_build_info_names_the_sources_of_the_loaded_modules():
+    """Every loaded module says which ffi/ sources it was built from; in a source checkout they must be the
+    checkout's (a failure here means the library is stale: cmake --build build && cmake --install build)."""
+    info = jax_w4a8.build_info()
+    assert info["version"] == jax_w4a8.__version__
+    assert info["cpu"]["available"], info["cpu"]["reason"]
+    for plat in ("cpu", "cuda"):
+        if info[plat]["available"]:
+            sha = info[plat]["source_sha256"]
+            assert sha == "unknown" or (len(sha) == 64 and int(sha, 16) >= 0), sha
+        else:
+            assert info[plat]["source_sha256"] is None and info[plat]["reason"]
+    if info["checkout"] is not None:
+        assert info["checkout"]["stale"] == [], (
+            f"modules {info['checkout']['stale']} were built from other sources than {info['checkout']['ffi_dir']}")
+        assert info["cpu"]["source_sha256"] == info["checkout"]["source_sha256"]
