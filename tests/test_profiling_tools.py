@@ -46,3 +46,48 @@ def test_profile_case_runs_each_case_and_refuses_unknown_ones():
         assert r.returncode == 0, r.stderr
     r = _run([os.path.join(BENCH, "profile_case.py"), "nope"])
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def _ab_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ab_builds", os.path.join(BENCH, "ab_builds.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ab_builds_summary_medians_ratios_and_output_check():
+    ab = _ab_module()
+    results = {"a": [[{"case": "c1", "us": [10.0, 12.0], "checksum": 5.0}],
+                     [{"case": "c1", "us": [11.0, 30.0], "checksum": 5.0}]],
+               "b": [[{"case": "c1", "us": [9.0, 9.5], "checksum": 5.0}],
+                     [{"case": "c1", "us": [8.0, 20.0], "checksum": 6.0}]]}
+    table = ab.summarize({"a": ".", "b": "."}, results).splitlines()
+    assert table[0] == "| case | a us | b us | b / a | outputs |"
+    # medians of all four timings: a 11.5, b 9.25; ratio 0.804; b's second round changed its checksum
+    assert table[2] == "| c1 | 11.5 (10.0, 12.0, 11.0, 30.0) | 9.2 (9.0, 9.5, 8.0, 20.0) | 0.804 | DIFFER |"
+
+
+def test_ab_builds_refuses_one_library_given_twice():
+    r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={ROOT}", f"b={ROOT}", "--cases", "tiny"])
+    assert r.returncode != 0 and "run the same library" in r.stderr, r.stderr[-2000:]
+    r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={ROOT}", f"b={BENCH}"])
+    assert r.returncode != 0 and "FOLDER/jax_w4a8/__init__.py" in r.stderr
+
+
+def test_ab_builds_times_every_build_in_alternating_processes(tmp_path):
+    import json
+
+    r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={ROOT}", f"b={ROOT}", "--cases", "tiny", "--rounds", "2",
+              "--timings", "1", "--allow-same", "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    order = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("round")]
+    assert order == ["round 0 a", "round 0 b", "round 1 b", "round 1 a"]
+    data = json.loads((tmp_path / "ab_builds.json").read_text())
+    assert data["builds"]["a"]["source_sha256"] == data["builds"]["b"]["source_sha256"]
+    for name in ("a", "b"):
+        assert [[row["case"] for row in rnd] for rnd in data["results"][name]] == [
+            ["tiny grouped M=16", "tiny einsum M=8"]] * 2
+        assert all(len(row["us"]) == 1 and row["us"][0] > 0 for rnd in data["results"][name] for row in rnd)
+    assert data["table"].count("| equal |") == 2

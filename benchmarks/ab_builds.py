@@ -1,0 +1,206 @@
+"""Same-machine A/B of library builds: one process per build and round, rounds in ABBA order, fingerprints checked.
+
+    python benchmarks/ab_builds.py main=. new=/path/with/jax_w4a8 [--cases decode einsum] [--rounds 2]
+
+Each build is a folder that holds a `jax_w4a8` package with its compiled `_lib` (`.` = this checkout). Timings
+of one build move 5-17% between processes on the H200 (RESULTS.md, twenty-third session), so every build runs
+in `--rounds` fresh processes, alternating (A B, then B A, ...), each timing its cases `--timings` times; the
+summary gives every timing, the medians and each build's median over the first build's, and whether the
+outputs' checksums equal the first build's.
+
+Guards against timing the wrong library: each worker checks that `jax_w4a8` was imported from its folder and
+reports the fingerprint of the ffi/ sources its modules were built from (`jax_w4a8.build_info()`); two builds
+with the same fingerprint stop the run unless `--allow-same` (which measures the same-build spread on purpose).
+
+Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused
+up-projection at 64 and 512), einsum (DeepSeek-V3 linears at 1 and 64 tokens, UE8M0 codes), prefill (grouped
+GEMM at 4096 rows, einsum 4096 x 7168 x 7168), tiny (small shapes that also run on the CPU, for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+HERE = pathlib.Path(__file__).resolve().parent
+CASE_SETS = ("decode", "einsum", "prefill", "tiny")
+
+
+# ----------------------------------------------------------------------------------------------- worker
+def _cases(names):
+    """(label, fn, arg sets) for the named case sets; data from fixed keys, the same in every process."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jax_w4a8 import ops, quant
+
+    def grouped(key, m, e, n, k, i):
+        kk = jax.random.fold_in(key, i)
+        w = jax.random.randint(kk, (e, n, k // 2), -128, 128, jnp.int32).astype(jnp.int8)
+        ws = jax.random.uniform(jax.random.fold_in(kk, 1), (e, n, k // 128), jnp.float32, 0.005, 0.015)
+        x = jax.random.normal(jax.random.fold_in(kk, 2), (m, k), jnp.bfloat16).astype(jnp.float8_e4m3fn)
+        xs = jax.random.uniform(jax.random.fold_in(kk, 3), (m, k // 128), jnp.float32, 0.5, 1.5)
+        sizes = jnp.asarray(np.random.default_rng(i).multinomial(m, np.ones(e) / e).astype(np.int32))
+        return x, xs, w, ws, sizes
+
+    def linear(key, m, n, k, i):
+        kk = jax.random.fold_in(key, i)
+        x = jax.random.normal(kk, (m, k), jnp.float32)
+        w = jax.random.normal(jax.random.fold_in(kk, 1), (n, k), jnp.float32) * 0.05
+        x8, xs = quant.quantize_fp8_groups(x, ue8m0=True)
+        w8, wsb = quant.quantize_fp8_blocks(w, ue8m0=True)
+        return x8, quant.encode_ue8m0(xs), w8, quant.encode_ue8m0(wsb)
+
+    gemm = ops.w4a8_grouped_gemm
+    fused = lambda *a: ops.w4a8_moe_up(*a)[0]  # noqa: E731
+    einsum = lambda *a: ops.fp8_einsum("md,nd->mn", *a)  # noqa: E731
+    key = jax.random.key(0)
+    out = []
+    for name in names:
+        if name == "decode":
+            for m in (64, 256, 512):
+                for shape, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
+                    out.append((f"{shape} M={m}", gemm, [grouped(key, m, 32, n, k, i) for i in range(2)]))
+                if m != 256:
+                    out.append((f"fused M={m}", fused, [grouped(key, m, 32, 4096, 7168, i) for i in range(2)]))
+        elif name == "einsum":
+            for shape, n, k in (("q_a", 1536, 7168), ("kv_a", 576, 7168), ("o_proj", 7168, 16384),
+                                ("square", 7168, 7168)):
+                for m in (1, 64):
+                    out.append((f"einsum {shape} M={m}", einsum, [linear(key, m, n, k, i) for i in range(2)]))
+        elif name == "prefill":
+            for shape, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
+                out.append((f"{shape} M=4096", gemm, [grouped(key, 4096, 32, n, k, i) for i in range(2)]))
+            out.append(("einsum square M=4096", einsum, [linear(key, 4096, 7168, 7168, i) for i in range(2)]))
+        elif name == "tiny":
+            out.append(("tiny grouped M=16", gemm, [grouped(key, 16, 2, 256, 256, i) for i in range(2)]))
+            out.append(("tiny einsum M=8", einsum, [linear(key, 8, 256, 256, i) for i in range(2)]))
+        else:
+            raise ValueError(f"unknown case set {name!r}; known: {', '.join(CASE_SETS)}")
+    return out
+
+
+def worker(folder, names, timings, build_only=False):
+    """Runs in a fresh process with `folder` first on sys.path; prints one JSON object per line."""
+    import jax
+    import numpy as np
+
+    sys.path.insert(0, str(HERE))
+    import _common as C
+
+    import jax_w4a8
+
+    where = pathlib.Path(jax_w4a8.__file__).resolve()
+    if not where.is_relative_to(pathlib.Path(folder).resolve()):
+        raise SystemExit(f"jax_w4a8 was imported from {where}, not from the build folder {folder}")
+    info = jax_w4a8.build_info()
+    platform = "cuda" if jax.default_backend() == "gpu" else "cpu"
+    print(json.dumps({"build": {"module": str(where.parent), "platform": platform,
+                                "source_sha256": info[platform]["source_sha256"]}}), flush=True)
+    if build_only:
+        return 0
+    for label, fn, sets in _cases(names):
+        times = [C.bench(fn, sets) * 1e6 for _ in range(timings)]
+        out = np.asarray(jax.jit(fn)(*sets[0]), np.float32)
+        print(json.dumps({"case": label, "us": times, "checksum": float(np.abs(out).sum())}), flush=True)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- orchestrator
+def run_build(folder, names, timings, timeout):
+    """One worker process on `folder`'s library: (its build line, one row per case). No names: the build only."""
+    path = [str(folder)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", str(folder),
+           "--timings", str(timings)] + (["--cases", *names] if names else ["--build-only"])
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not rows:
+        raise SystemExit(f"build {folder}: worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return rows[0]["build"], rows[1:]
+
+
+def summarize(builds, results):
+    """Markdown table: per case, each build's timings (all rounds), median, median ratio to the first build,
+    and whether its checksums equal the first build's."""
+    names = list(builds)
+    cases = list(dict.fromkeys(r["case"] for rows in results[names[0]] for r in rows))
+    lines = ["| case | " + " | ".join(f"{n} us" for n in names) + " | "
+             + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | outputs |",
+             "|---" * (1 + 2 * len(names)) + "|"]
+    for case in cases:
+        times = {n: [t for rows in results[n] for r in rows if r["case"] == case for t in r["us"]] for n in names}
+        sums = {n: {r["checksum"] for rows in results[n] for r in rows if r["case"] == case} for n in names}
+        med = {n: statistics.median(times[n]) for n in names}
+        cells = [f"{med[n]:.1f} ({', '.join(f'{t:.1f}' for t in times[n])})" for n in names]
+        ratios = [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
+        same = all(sums[n] == sums[names[0]] and len(sums[n]) == 1 for n in names)
+        lines.append(f"| {case} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " | "
+                     + ("equal" if same else "DIFFER") + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("builds", nargs="*", metavar="NAME=FOLDER", help="two or more builds, the first is the baseline")
+    p.add_argument("--cases", nargs="+", default=["decode"], choices=CASE_SETS)
+    p.add_argument("--rounds", type=int, default=2, help="processes per build (alternating, ABBA)")
+    p.add_argument("--timings", type=int, default=2, help="timings per case in each process")
+    p.add_argument("--allow-same", action="store_true", help="run even if two builds have the same fingerprint")
+    p.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
+    p.add_argument("--out", help="folder for ab_builds.json")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.cases, args.timings, args.build_only)
+    builds = {}
+    for spec in args.builds:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not (pathlib.Path(folder) / "jax_w4a8" / "__init__.py").is_file():
+            p.error(f"{spec!r}: expected NAME=FOLDER with FOLDER/jax_w4a8/__init__.py")
+        if name in builds:
+            p.error(f"build name {name!r} given twice")
+        builds[name] = pathlib.Path(folder)
+    if len(builds) < 2:
+        p.error("give at least two builds (NAME=FOLDER)")
+    # Which library each folder really loads, before any timing.
+    seen = {n: run_build(folder, [], 1, args.timeout)[0] for n, folder in builds.items()}
+    shas = {}
+    for n, info in seen.items():
+        print(f"{n}: {info['platform']} module {info['module']}, ffi sources {info['source_sha256']}", flush=True)
+        shas.setdefault(info["source_sha256"], []).append(n)
+    dup = [bs for bs in shas.values() if len(bs) > 1]
+    if dup and not args.allow_same:
+        raise SystemExit(f"builds {dup} run the same library (same ffi sources fingerprint): nothing to compare "
+                         "(--allow-same measures the same-build spread)")
+    if "unknown" in shas or None in shas:
+        print("warning: a build without a fingerprint cannot be told apart from the others", flush=True)
+    results = {n: [] for n in builds}
+    for r in range(args.rounds):
+        order = list(builds) if r % 2 == 0 else list(reversed(builds))
+        for n in order:
+            info, rows = run_build(builds[n], args.cases, args.timings, args.timeout)
+            if info["source_sha256"] != seen[n]["source_sha256"]:
+                raise SystemExit(f"build {n} changed during the run: {info['source_sha256']}")
+            print(f"round {r} {n}: {len(rows)} cases", flush=True)
+            results[n].append(rows)
+    table = summarize(builds, results)
+    print(table)
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "ab_builds.json").write_text(json.dumps(
+            {"builds": {n: dict(seen[n], folder=str(builds[n])) for n in builds}, "cases": args.cases,
+             "rounds": args.rounds, "timings": args.timings, "results": results, "table": table}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
