@@ -4,13 +4,16 @@
 
 Each build is a folder that holds a `jax_w4a8` package with its compiled `_lib` (`.` = this checkout). Timings
 of one build move 5-17% between processes on the H200 (RESULTS.md, twenty-third session), so every build runs
-in `--rounds` fresh processes, alternating (A B, then B A, ...), each timing its cases `--timings` times; the
-summary gives every timing, the medians and each build's median over the first build's, and whether the
-outputs' checksums equal the first build's.
+in `--rounds` fresh processes, alternating (A B, then B A, ...; use an even number so that every build runs
+first equally often), each timing its cases `--timings` times; the summary gives each process's median, their
+median per build, each build's over the first build's, and whether the outputs' checksums equal the first
+build's.
 
-Guards against timing the wrong library: each worker checks that `jax_w4a8` was imported from its folder and
-reports the fingerprint of the ffi/ sources its modules were built from (`jax_w4a8.build_info()`); two builds
-with the same fingerprint stop the run unless `--allow-same` (which measures the same-build spread on purpose).
+Guards against timing the wrong library: each worker checks that `jax_w4a8` and its compiled modules were
+imported from its folder (an editable install's import redirect is bypassed), that a source checkout's build
+is not stale, and reports the fingerprint of the ffi/ sources its modules were built from
+(`jax_w4a8.build_info()`); two builds with the same fingerprint stop the run unless `--allow-same` (which
+measures the same-build spread on purpose).
 
 Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused
 up-projection at 64 and 512), einsum (DeepSeek-V3 linears at 1 and 64 tokens, UE8M0 codes), prefill (grouped
@@ -88,20 +91,31 @@ def _cases(names):
 
 def worker(folder, names, timings, build_only=False):
     """Runs in a fresh process with `folder` first on sys.path; prints one JSON object per line."""
+    import importlib
+
+    # An editable install (scikit-build-core) redirects `import jax_w4a8` to its checkout ahead of sys.path.
+    sys.meta_path[:] = [f for f in sys.meta_path if "ScikitBuild" not in type(f).__name__]
+    sys.path.insert(0, str(pathlib.Path(folder).resolve()))
     import jax
     import numpy as np
 
-    sys.path.insert(0, str(HERE))
+    sys.path.insert(1, str(HERE))
     import _common as C
 
     import jax_w4a8
 
-    where = pathlib.Path(jax_w4a8.__file__).resolve()
-    if not where.is_relative_to(pathlib.Path(folder).resolve()):
-        raise SystemExit(f"jax_w4a8 was imported from {where}, not from the build folder {folder}")
-    info = jax_w4a8.build_info()
+    home = pathlib.Path(folder).resolve()
+    jax.devices()  # the platform modules register on import; the backend decides which one this worker runs
     platform = "cuda" if jax.default_backend() == "gpu" else "cpu"
-    print(json.dumps({"build": {"module": str(where.parent), "platform": platform,
+    module = importlib.import_module(f"jax_w4a8._lib._ffi_{platform}")
+    for name, path in (("jax_w4a8", jax_w4a8.__file__), (module.__name__, module.__file__)):
+        if not pathlib.Path(path).resolve().is_relative_to(home):
+            raise SystemExit(f"{name} was imported from {path}, not from the build folder {folder}")
+    info = jax_w4a8.build_info()
+    if info["checkout"] and info["checkout"]["stale"]:
+        raise SystemExit(f"{folder}: its {info['checkout']['stale']} module(s) were built from other sources than "
+                         f"{info['checkout']['ffi_dir']} (rebuild first)")
+    print(json.dumps({"build": {"module": str(pathlib.Path(module.__file__).resolve()), "platform": platform,
                                 "source_sha256": info[platform]["source_sha256"]}}), flush=True)
     if build_only:
         return 0
@@ -119,26 +133,34 @@ def run_build(folder, names, timings, timeout):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", str(folder),
            "--timings", str(timings)] + (["--cases", *names] if names else ["--build-only"])
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not rows:
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        raise SystemExit(f"build {folder}: worker ran past {timeout} s (--timeout)\n{(exc.stderr or b'')[-2000:]}")
+    rows = []
+    for line in proc.stdout.splitlines():
+        if line.startswith('{"build"') or line.startswith('{"case"'):
+            rows.append(json.loads(line))
+    if proc.returncode != 0 or not rows or "build" not in rows[0]:
         raise SystemExit(f"build {folder}: worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
     return rows[0]["build"], rows[1:]
 
 
 def summarize(builds, results):
-    """Markdown table: per case, each build's timings (all rounds), median, median ratio to the first build,
-    and whether its checksums equal the first build's."""
+    """Markdown table: per case and build, the median of its processes' medians (each process's median in
+    parentheses, in run order), the ratio to the first build's, and whether the checksums equal the first
+    build's."""
     names = list(builds)
     cases = list(dict.fromkeys(r["case"] for rows in results[names[0]] for r in rows))
     lines = ["| case | " + " | ".join(f"{n} us" for n in names) + " | "
              + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | outputs |",
              "|---" * (1 + 2 * len(names)) + "|"]
     for case in cases:
-        times = {n: [t for rows in results[n] for r in rows if r["case"] == case for t in r["us"]] for n in names}
+        per = {n: [statistics.median(r["us"]) for rows in results[n] for r in rows if r["case"] == case]
+               for n in names}
         sums = {n: {r["checksum"] for rows in results[n] for r in rows if r["case"] == case} for n in names}
-        med = {n: statistics.median(times[n]) for n in names}
-        cells = [f"{med[n]:.1f} ({', '.join(f'{t:.1f}' for t in times[n])})" for n in names]
+        med = {n: statistics.median(per[n]) for n in names}
+        cells = [f"{med[n]:.1f} ({', '.join(f'{t:.1f}' for t in per[n])})" for n in names]
         ratios = [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
         same = all(sums[n] == sums[names[0]] and len(sums[n]) == 1 for n in names)
         lines.append(f"| {case} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " | "
@@ -176,12 +198,13 @@ def main(argv=None):
     for n, info in seen.items():
         print(f"{n}: {info['platform']} module {info['module']}, ffi sources {info['source_sha256']}", flush=True)
         shas.setdefault(info["source_sha256"], []).append(n)
+    unknown = shas.pop("unknown", []) + shas.pop(None, [])
+    if unknown:
+        print(f"warning: builds {unknown} carry no fingerprint and cannot be told apart from the others", flush=True)
     dup = [bs for bs in shas.values() if len(bs) > 1]
     if dup and not args.allow_same:
         raise SystemExit(f"builds {dup} run the same library (same ffi sources fingerprint): nothing to compare "
                          "(--allow-same measures the same-build spread)")
-    if "unknown" in shas or None in shas:
-        print("warning: a build without a fingerprint cannot be told apart from the others", flush=True)
     results = {n: [] for n in builds}
     for r in range(args.rounds):
         order = list(builds) if r % 2 == 0 else list(reversed(builds))

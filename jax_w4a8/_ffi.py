@@ -85,17 +85,20 @@ def built_with_cutlass() -> bool:
     return bool(getattr(module, "built_with_cutlass", lambda: False)())
 
 
+_SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")
+
+
 def source_fingerprint(ffi_dir) -> str:
     """The fingerprint CMake compiles into the modules, computed from an ``ffi/`` folder on disk.
 
-    SHA-256 of what ``sha256sum`` prints for every file under it, paths relative to its parent (``ffi/...``)
-    and sorted: ``cd ROOT && find ffi -type f | sort | xargs sha256sum | sha256sum`` gives the same.
+    SHA-256 of what ``sha256sum`` prints for the C++ / CUDA sources under it (``*.h``, ``*.cc``, ``*.cu``,
+    ``*.cuh``; existing regular files or links to them), paths relative to its parent (``ffi/...``) in byte
+    order: ``cd ROOT && find -L ffi -type f -name '*.h' ... | LC_ALL=C sort | xargs sha256sum | sha256sum``.
     """
     root = pathlib.Path(ffi_dir)
-    lines = []
-    for f in sorted(p for p in root.rglob("*") if p.is_file()):
-        rel = f"{root.name}/{f.relative_to(root).as_posix()}"
-        lines.append(f"{hashlib.sha256(f.read_bytes()).hexdigest()}  {rel}\n")
+    files = {f"{root.name}/{p.relative_to(root).as_posix()}": p for p in root.rglob("*")
+             if p.suffix in _SOURCE_SUFFIXES and p.is_file()}
+    lines = [f"{hashlib.sha256(files[rel].read_bytes()).hexdigest()}  {rel}\n" for rel in sorted(files)]
     return hashlib.sha256("".join(lines).encode()).hexdigest()
 
 

@@ -1320,7 +1320,8 @@ __device__ __forceinline__ float TokenScaleMax(const void* src, ActScaleKind kin
 
 // A group's scale over its token's largest (see ScaleF16x2): s * 0 where the largest is 0 (0 for a token whose
 // scales are all 0, so that its totals are 0 before the multiply by 0, never Inf * 0; NaN stays NaN), and
-// +-1 where |s| is the largest (an infinite scale gives +-Inf outputs, not Inf / Inf).
+// +-1 where |s| is the largest (an infinite scale gives +-Inf outputs, not Inf / Inf; two infinite scales of
+// opposite sign in one token give +-Inf too, where float64 gives Inf - Inf = NaN).
 __device__ __forceinline__ float GroupScaleRatio(float s, float s_max) {
   return s_max == 0.0f ? s * 0.0f : fabsf(s) == s_max ? copysignf(1.0f, s) : __fdiv_rn(s, s_max);
 }

@@ -31,7 +31,8 @@ struct HopperGemmParams {
   const void* sx_src;          // activation scales as given, of kind sx_kind
   ActScaleKind sx_kind;
   float* sx;                   // scratch: float32 [G, H, Mp] activation scales, Mp = M rounded up to 4 (int4_f16:
-                               // only the group-0 plane, each token's largest scale; see ConvertXToF16)
+                               // only the group-0 plane, each token's largest scale, rows >= M left unwritten
+                               // and never read; see ConvertXToF16)
   const void* sw;              // [B, sw_rows, G] weight scales of type sw_type (int4 weights: kF32 or kBf16)
   WeightScaleType sw_type;
   int64_t sw_rows;             // F (per-row scales) or ceil(F / 128) (128-row blocks)
