@@ -2,7 +2,9 @@
 
     python benchmarks/ab_builds.py main=. new=/path/with/jax_w4a8 [--cases decode einsum] [--rounds 2]
 
-Each build is a folder that holds a `jax_w4a8` package with its compiled `_lib` (`.` = this checkout). Timings
+Each build is a folder that holds a `jax_w4a8` package with its compiled `_lib` modules: `.` for a checkout built
+in place (`cmake --install build` with `CMAKE_INSTALL_PREFIX=.`; an editable install keeps the modules
+elsewhere), or a copy of the package with a variant's modules in its `_lib`. Timings
 of one build move 5-17% between processes on the H200 (RESULTS.md, twenty-third session), so every build runs
 in `--rounds` fresh processes, alternating (A B, then B A, ...; use an even number so that every build runs
 first equally often), each timing its cases `--timings` times; the summary gives each process's median, their

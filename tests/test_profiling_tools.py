@@ -48,6 +48,24 @@ def test_profile_case_runs_each_case_and_refuses_unknown_ones():
     assert r.returncode != 0 and "invalid choice" in r.stderr
 
 
+def _build_folder(tmp_path):
+    """A self-contained build folder for ab_builds.py: this package's sources plus the compiled modules it
+    imports (an editable install keeps those outside the checkout)."""
+    import importlib
+    import shutil
+
+    dst = tmp_path / "build"
+    shutil.copytree(os.path.join(ROOT, "jax_w4a8"), dst / "jax_w4a8",
+                    ignore=shutil.ignore_patterns("__pycache__", "assets", "*.so"))
+    for name in ("_ffi_cpu", "_ffi_cuda"):
+        try:
+            module = importlib.import_module(f"jax_w4a8._lib.{name}")
+        except ImportError:
+            continue
+        shutil.copy(module.__file__, dst / "jax_w4a8" / "_lib")
+    return str(dst)
+
+
 def _ab_module():
     import importlib.util
 
@@ -70,8 +88,9 @@ def test_ab_builds_summary_medians_ratios_and_output_check():
     assert table[2] == "| c1 | 15.8 (11.0, 20.5) | 11.6 (9.2, 14.0) | 0.738 | DIFFER |"
 
 
-def test_ab_builds_refuses_one_library_given_twice():
-    r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={ROOT}", f"b={ROOT}", "--cases", "tiny"])
+def test_ab_builds_refuses_one_library_given_twice(tmp_path):
+    folder = _build_folder(tmp_path)
+    r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny"])
     assert r.returncode != 0 and "run the same library" in r.stderr, r.stderr[-2000:]
     r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={ROOT}", f"b={BENCH}"])
     assert r.returncode != 0 and "FOLDER/jax_w4a8/__init__.py" in r.stderr
@@ -80,7 +99,8 @@ def test_ab_builds_refuses_one_library_given_twice():
 def test_ab_builds_times_every_build_in_alternating_processes(tmp_path):
     import json
 
-    r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={ROOT}", f"b={ROOT}", "--cases", "tiny", "--rounds", "2",
+    folder = _build_folder(tmp_path)
+    r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny", "--rounds", "2",
               "--timings", "1", "--allow-same", "--out", str(tmp_path)])
     assert r.returncode == 0, r.stderr[-2000:]
     order = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("round")]
