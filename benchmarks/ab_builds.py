@@ -41,18 +41,12 @@ def _cases(names):
     """(label, fn, arg sets) for the named case sets; data from fixed keys, the same in every process."""
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from jax_w4a8 import ops, quant
+    from probe_kernels import _grouped_case  # the same data as the probes, any expert count
 
     def grouped(key, m, e, n, k, i):
-        kk = jax.random.fold_in(key, i)
-        w = jax.random.randint(kk, (e, n, k // 2), -128, 128, jnp.int32).astype(jnp.int8)
-        ws = jax.random.uniform(jax.random.fold_in(kk, 1), (e, n, k // 128), jnp.float32, 0.005, 0.015)
-        x = jax.random.normal(jax.random.fold_in(kk, 2), (m, k), jnp.bfloat16).astype(jnp.float8_e4m3fn)
-        xs = jax.random.uniform(jax.random.fold_in(kk, 3), (m, k // 128), jnp.float32, 0.5, 1.5)
-        sizes = jnp.asarray(np.random.default_rng(i).multinomial(m, np.ones(e) / e).astype(np.int32))
-        return x, xs, w, ws, sizes
+        return _grouped_case(jax.random.fold_in(key, i), m, n, k, i, e=e)
 
     def linear(key, m, n, k, i):
         kk = jax.random.fold_in(key, i)

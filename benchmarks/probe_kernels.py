@@ -30,12 +30,12 @@ E = 32
 COPY_BW = 4.28e12  # H200 copy bandwidth measured by the benchmarks (bytes/s), for the decode percentages
 
 
-def _grouped_case(key, m, n, k, seed):
-    w = jax.random.randint(key, (E, n, k // 2), -128, 128, jnp.int32).astype(jnp.int8)
-    ws = jax.random.uniform(jax.random.fold_in(key, 1), (E, n, k // 128), jnp.float32, 0.005, 0.015)
+def _grouped_case(key, m, n, k, seed, e=E):
+    w = jax.random.randint(key, (e, n, k // 2), -128, 128, jnp.int32).astype(jnp.int8)
+    ws = jax.random.uniform(jax.random.fold_in(key, 1), (e, n, k // 128), jnp.float32, 0.005, 0.015)
     x = jax.random.normal(jax.random.fold_in(key, 2), (m, k), jnp.bfloat16).astype(jnp.float8_e4m3fn)
     xs = jax.random.uniform(jax.random.fold_in(key, 3), (m, k // 128), jnp.float32, 0.5, 1.5)
-    sizes = jnp.asarray(np.random.default_rng(seed).multinomial(m, np.ones(E) / E).astype(np.int32))
+    sizes = jnp.asarray(np.random.default_rng(seed).multinomial(m, np.ones(e) / e).astype(np.int32))
     return x, xs, w, ws, sizes
 
 

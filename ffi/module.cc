@@ -1,7 +1,8 @@
 // The Python modules jax_w4a8._lib._ffi_cpu and jax_w4a8._lib._ffi_cuda (this file compiled twice,
 // with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule} and
-// source_sha256() (the fingerprint of the ffi/ sources it was built from); the CUDA module also has built_with_cutlass() and the scratch each CUDA handler checks for a plan
-// (w4a8_grouped_gemm_scratch, w4a8_moe_up_scratch, fp8_einsum_scratch; tests/test_tiling.py).
+// source_sha256() (the fingerprint of the ffi/ sources it was built from); the CUDA module also has
+// built_with_cutlass() and the scratch each CUDA handler checks for a plan (w4a8_grouped_gemm_scratch,
+// w4a8_moe_up_scratch, fp8_einsum_scratch; tests/test_tiling.py).
 // Target names must match jax_w4a8/_ffi.py:TARGETS.
 #include <nanobind/nanobind.h>
 
