@@ -9,7 +9,7 @@ import pytest
 
 import np_ref
 from conftest import run_poisoned
-from jax_w4a8 import ops, quant
+from jax_w4a8 import ops, quant, tiling
 
 BF16_TOL = 4e-3  # SPEC section 7
 F32_TOL = 2e-6
@@ -275,15 +275,19 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (16, "e4m3"), (32, "e4m3")])
-def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mma):
+@pytest.mark.parametrize("n, split", [(256, True), (32768, False)], ids=["split-k", "whole-k"])
+def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mma, n, split):
     """A token whose scales are all 0 gives exact zeros even where its unscaled sums overflow float32 (codes
     of 448 under weight scales near 1e35: never Inf * 0 = NaN), and a token with an infinite scale gives
-    float64's +-Inf in every column (never NaN from Inf / Inf, never a silently finite row); the other tokens
-    match float64.
+    float64's +-Inf in every column (never NaN from Inf / Inf or from 0 * Inf in a split-K piece that misses
+    the infinite group, never a silently finite row); the other tokens match float64. Under split-K (256
+    columns) and without it (32768 columns).
     """
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
-    m, k, n, sizes = 40, 512, 256, [24, 16]
+    m, k, sizes = 40, 512, [24, 16]
+    plan = tiling.plan_grouped_gemm(m, len(sizes), n, k, tile_tokens=tile_tokens, mma=mma)
+    assert (plan.split_k > 1) == split
     _, _, w, w_scale, gs = make_case(rng, m, k, n, sizes)
     x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
     x[[3, 30]] = 448.0                                            # second expert too

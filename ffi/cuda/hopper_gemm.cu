@@ -1258,15 +1258,21 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       }
     }
 
-    if constexpr (kF16) {  // the tokens' largest activation scales, folded out of the f16 activations
+    // f16 path: the tokens' largest activation scales, folded out of the f16 activations, multiplied in
+    // after the stream-K fix-up has summed the pieces (a piece without a token's infinite-scale group sums to
+    // 0, and 0 * Inf would turn the unit's +-Inf into NaN).
+    auto apply_token_scales = [&] {
+      if constexpr (kF16) {
 #pragma unroll
-      for (int j = 0; j < kTok / 4; ++j) {
-        const int i = 4 * (j / 2) + (j % 2);
+        for (int j = 0; j < kTok / 4; ++j) {
+          const int i = 4 * (j / 2) + (j % 2);
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) total[part][i] *= tok_s[j], total[part][i + 2] *= tok_s[j];
+          for (int part = 0; part < kParts; ++part) total[part][i] *= tok_s[j], total[part][i + 2] *= tok_s[j];
+        }
       }
-    }
+    };
     if constexpr (kParts == 2) {
+      apply_token_scales();
       FusedUpEpilogue<kTok>(p, t, total[0], total[1], red, cw, warp, lane, row0);
     } else {
       // Epilogue: fn(i, idx) for this thread's accumulators i of rows of this batch and features < F.
@@ -1284,6 +1290,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       if (p.split_k > 1 && !(t.g0 == 0 && t.g1 == groups) &&
           !StreamKFixUp<kEinsum>(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane, total[0]))
         continue;
+      apply_token_scales();
       for_each_element([&](int i, int64_t idx) { StoreRounded(p, idx, total[0][i]); });
     }
   }
