@@ -13,9 +13,10 @@
 //   f16 MMA path (int4 weights, int4_f16, token tiles 8 / 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions); the activations were converted to f16 in the
 //                matching K order once per call by the preparation kernel (ConvertXToF16), each group
-//                scaled by its activation scale over the token's largest (applied after the K loop, so
-//                the promotion is total += sw(row, g) * partial), and the producer loads them by TMA
-//                like the e4m3 tiles (without the scale box). 16- and 32-token tiles multiply on
+//                scaled by its activation scale over the token's largest (applied after the K loop and
+//                any stream-K fix-up, so the promotion is total += sw(row, g) * partial), and the
+//                producer loads them by TMA like the e4m3 tiles (without the scale box). 16- and
+//                32-token tiles multiply on
 //                wgmma (weights in registers); 8-token tiles on warp-level mma.sync m16n8k16: each warp
 //                converts and multiplies its own 16 rows, reads the activation fragments with ldmatrix
 //                and frees the stage once its operands are in registers, with the next group's MMAs
