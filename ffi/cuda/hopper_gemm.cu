@@ -16,12 +16,12 @@
 //                scaled by its activation scale over the token's largest (applied after the K loop and
 //                any stream-K fix-up, so the promotion is total += sw(row, g) * partial), and the
 //                producer loads them by TMA like the e4m3 tiles (without the scale box). 16- and
-//                32-token tiles multiply on
-//                wgmma (weights in registers); 8-token tiles on warp-level mma.sync m16n8k16: each warp
-//                converts and multiplies its own 16 rows, reads the activation fragments with ldmatrix
-//                and frees the stage once its operands are in registers, with the next group's MMAs
-//                in flight while a group is promoted (H200, decode: 5-10% faster than the n8 wgmma,
-//                whose warpgroup waits on every group's MMAs; benchmarks/RESULTS.md).
+//                32-token tiles multiply on wgmma (weights in registers); 8-token tiles on warp-level
+//                mma.sync m16n8k16: each warp converts and multiplies its own 16 rows, reads the
+//                activation fragments with ldmatrix and frees the stage once its operands are in
+//                registers, with the next group's MMAs in flight while a group is promoted (H200,
+//                decode: 5-10% faster than the n8 wgmma, whose warpgroup waits on every group's MMAs;
+//                benchmarks/RESULTS.md).
 // Block-scaled einsum at 128- and 192-token tiles (ConsumeTokenRows): the same stages, but two or three
 //                consumer warpgroups put 64 tokens each on wgmma's A side and the 128 weight rows on
 //                its N side, taking turns.
@@ -896,8 +896,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 
     const int64_t g_begin = t.zero ? t.g1 : t.g0;
     // f16 path: this thread's tokens' largest activation scales (PrepareActScalesKernel: the group-0 plane),
-    // applied after the loop (see ConvertXToF16); 0 past the unit's rows and on zero-fill units (whose rows'
-    // scales may be anything; their totals stay 0). Loaded here, so that the loads complete under the loop.
+    // applied after the loop and any stream-K fix-up (apply_token_scales); 0 past the unit's rows and on
+    // zero-fill units (whose rows' scales may be anything; their totals stay 0). Loaded here, so that the
+    // loads complete under the loop.
     float tok_s[kF16 ? kTok / 4 : 1];
     if constexpr (kF16) {
 #pragma unroll
