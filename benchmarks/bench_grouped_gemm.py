@@ -97,9 +97,9 @@ def run(args):
                 other = "native" if plan.kernel == "cutlass" else "cutlass"
                 f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, kernel=other))
                 r[f"kernel_{other}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
-            if plan.tile_tokens in (16, 32):  # the other tensor-core operand format at this tile
+            if plan.kernel == "native" and plan.tile_tokens >= 16:  # the other tensor-core operand format, same tile
                 other = "e4m3" if plan.mma == "f16" else "f16"
-                f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, mma=other))
+                f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, mma=other, tile_tokens=plan.tile_tokens))
                 r[f"mma_{other}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
                 alt_out = f(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
                 r[f"mma_{other}_rel_err_vs_simple"] = float(jnp.linalg.norm(alt_out - simple) / jnp.linalg.norm(simple))
@@ -251,7 +251,7 @@ def report(payload, out):
             "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`, or `cutlass` (int4 weights "
             "converted to e4m3 once per call, then CUTLASS's grouped FP8 GEMM; the time includes the conversion); "
             "other token tiles: the same call forced to another tile (the heuristic's alternatives); other MMA: the "
-            "same call with the other tensor-core operand format (`mma=`, token tiles 16 and 32); other kernel: the "
+            "same call with the other tensor-core operand format (`mma=`, same token tile, this library's wgmma tiles); other kernel: the "
             "same call on the other kernel family (`kernel=`, M >= 2048)."
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
                "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "

@@ -57,7 +57,7 @@ products and one FMA per accumulator. The heuristic:
   126, 126 / 162, 176.
 * ``mma`` (int4 weights, grouped GEMM and fused up-projection): the tensor-core operand format.
   ``"e4m3"``: the int4 codes become e4m3 in registers and meet the fp8 activations in an fp8 MMA.
-  ``"f16"`` (token tiles 8, 16 and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
+  ``"f16"`` (grouped GEMM: every token tile from 8 to 128; fused up-projection: 8, 16 and 32): the codes become f16 (five integer and four f16 instructions per eight codes instead of
   fourteen integer ones; at decode the integer pipe is the limit) and meet the activations as f16,
   converted once per call by the scale-preparation kernel into the scratch (2 M K bytes, in the K
   order of the weight fragments) and loaded by TMA like the e4m3 tiles; an f16 MMA with float32
@@ -69,6 +69,17 @@ products and one FMA per accumulator. The heuristic:
   gate+up 64 / 256 rows 170, 164 / 197, 199 vs 198, 183 / 222, 226; down 104, 113 / 127, 115 vs 119,
   123 / 126, 129; 32-token tiles at 512 rows gate+up 262, 255 vs 316, 312 and down 148, 148 vs 184,
   188, where e4m3 took 304, 296 (gate+up) and 180, 171 (down).
+  The grouped GEMM plan also takes f16 at 64-token tiles (one block per SM, two groups in flight per
+  warpgroup), and takes that tile instead of 128 up to ``_F16_HALF_TILE_ROWS`` (64) expected rows per
+  expert. H200, same process, 32 experts, us, best of two rounds, f16 at 64 tokens vs e4m3 at 64 / 128
+  tokens: gate+up M = 1024 295 vs 371 / -, 1536 292-299 vs - / 439, 2048 429-441 vs 558 / 449-451; down
+  190 vs 238 / -, 184-189 vs - / 287, 267-269 vs 324 / 282-303. From 80 rows per expert the 128-token
+  e4m3 tile wins (M = 2560 / 3072: gate+up 451 / 457 vs f16 at 64 tokens 559 / 559, down 283 / 291-294 vs
+  349 / 366). f16 at 128-token tiles (one group in flight, the warpgroups taking turns) does not pay:
+  gate+up M = 4096 665-678 vs e4m3 640-648 us, M = 16384 2174 vs 1912 (down 1260 vs 1197); ``ncu`` at 16384
+  rows puts its tensor pipe at 67% busy with both warpgroups' MMA waits the top stall (29%), and in the
+  timed loop it runs 20% slower than a single launch (2.17 vs 1.79 ms: the f16 MMA at that duty draws the
+  clock down), where e4m3 loses 4% (1.91 vs 1.84).
 * ``tile_tokens=8`` (einsum only, at most 32 tokens; the plan's choice up to 8): the decode kernel
   (``ffi/cuda/fp8_decode_gemm.cu``): warp-level fp8 MMAs (16 weight rows x 8-token tiles) fed straight
   from global memory, the K groups split over the warps of a block and a cluster of up to 8 blocks,
@@ -120,12 +131,16 @@ import math
 import jax
 
 __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "EINSUM_TILE_TOKENS",
-           "GROUPED_TILE_TOKENS", "F16_TILE_TOKENS",
+           "GROUPED_TILE_TOKENS", "F16_TILE_TOKENS", "GROUPED_F16_TILE_TOKENS", "FUSED_F16_TILE_TOKENS",
            "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS"]
 
 TILE_TOKENS = (16, 32, 64, 128)
 GROUPED_TILE_TOKENS = (8,) + TILE_TOKENS  # 8: int4 weights with the f16 MMA only
-F16_TILE_TOKENS = (8, 16, 32)  # token tiles of the f16 MMA path
+F16_TILE_TOKENS = (8, 16, 32, 64)  # the grouped GEMM plan's f16-MMA tiles (H200: module docstring)
+GROUPED_F16_TILE_TOKENS = GROUPED_TILE_TOKENS  # token tiles the grouped GEMM's f16 MMA path runs
+FUSED_F16_TILE_TOKENS = (8, 16, 32)  # ... and the fused up-projection's (its default f16 tiles too)
+_F16_HALF_TILE_ROWS = 64  # the grouped plan takes 64-token f16 tiles over 128-token e4m3 ones up to this many
+# expected rows per expert (H200: module docstring)
 EINSUM_TILE_TOKENS = (8,) + TILE_TOKENS + (192,)  # 8: the einsum's decode kernel; 192: block-scaled only
 DECODE_MAX_TOKENS = 32  # tile_tokens 8 (ffi/cuda/fp8_decode_gemm.cuh kDecodeMaxTokens)
 _DECODE_TOKENS = 8  # the einsum plan takes the decode kernel up to this many tokens (H200: see docstring)
@@ -307,19 +322,22 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     # e4m3 asked for without a tile: the plan picks among the e4m3 tiles (8 is the f16 MMA's only)
     tiles = TILE_TOKENS if (mma == "e4m3" and tile_tokens is None) else GROUPED_TILE_TOKENS
     plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles)
-    if mma is None:  # measured on the H200: f16 wins at 8- to 32-row tiles (module docstring)
+    if mma is None and tile_tokens is None and plan.tile_tokens == 128 and rows <= _F16_HALF_TILE_ROWS:
+        plan = _plan(m, 1, n, k, e, rows, 64, num_sms, spread=True, busy=busy, allowed=tiles)
+    if mma is None:  # measured on the H200: f16 wins at 8- to 64-row tiles (module docstring)
         mma = "f16" if plan.tile_tokens in F16_TILE_TOKENS else "e4m3"
-    return _with_mma(plan, mma, m, k)
+    return _with_mma(plan, mma, m, k, GROUPED_F16_TILE_TOKENS)
 
 
-def _with_mma(plan: GemmPlan, mma: str, m: int, k: int) -> GemmPlan:
+def _with_mma(plan: GemmPlan, mma: str, m: int, k: int, f16_tiles: tuple[int, ...] = FUSED_F16_TILE_TOKENS) -> GemmPlan:
     """``plan`` with the int4 operand format ``mma`` (checked against its token tile); with "f16" the
     activations as f16 (M x K x 2 bytes, hopper_gemm.cuh HopperGemmF16ActivationBytes) follow the scales in
     the scratch."""
     if mma not in MMAS:
         raise ValueError(f"argument 'mma' must be None or one of {MMAS}, got {mma!r}")
-    if mma == "f16" and plan.tile_tokens not in F16_TILE_TOKENS:
-        raise ValueError(f"argument 'mma'='f16' runs token tiles of 8, 16 or 32; the plan for these shapes has "
+    if mma == "f16" and plan.tile_tokens not in f16_tiles:
+        raise ValueError(f"argument 'mma'='f16' runs token tiles of {', '.join(map(str, f16_tiles))}; the plan "
+                         f"for these shapes has "
                          f"{plan.tile_tokens} (pass 'tile_tokens' to force one)")
     if mma == "e4m3" and plan.tile_tokens == 8:
         raise ValueError("argument 'tile_tokens'=8 runs the f16 MMA only: leave 'mma' None or pass 'f16'")
@@ -344,7 +362,7 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
     plan = _plan(m, 1, inter, k, e, rows, tile_tokens, num_sms, allowed=GROUPED_TILE_TOKENS)
     scratch = _align256((k // 128) * (-(-m // 4) * 4) * 4)
     if mma is None:  # as the grouped GEMM's plan: f16 at 8- to 32-token tiles (H200: module docstring)
-        mma = "f16" if tile_tokens in F16_TILE_TOKENS else "e4m3"
+        mma = "f16" if tile_tokens in FUSED_F16_TILE_TOKENS else "e4m3"
     return _with_mma(GemmPlan(plan.tile_tokens, 1, scratch, plan.units), mma, m, k)
 
 

@@ -25,8 +25,9 @@ def main() -> int:
     x8, xs = quant.quantize_fp8_groups(rng.standard_normal((45, 256)).astype(np.float32))
     for sizes in ([10, 0, 30], [-4, 2**31 - 1, 9], [0, 0, 0]):
         args = (x8, xs, w, ws, jnp.asarray(sizes, jnp.int32))
-        # both tensor-core operand formats (f16: x converted once per call), and the 8-token f16 tile
-        for mma, tok in (("e4m3", None), ("f16", None), ("f16", 8)):
+        # both tensor-core operand formats (f16: x converted once per call), and the f16 tiles of 8 (mma.sync),
+        # 64 (two groups in flight) and 128 tokens (one, the warpgroups taking turns)
+        for mma, tok in (("e4m3", None), ("f16", None), ("f16", 8), ("f16", 64), ("f16", 128)):
             out = jax.jit(lambda *a, mma=mma, tok=tok: ops.w4a8_grouped_gemm(*a, impl="ffi", mma=mma,
                                                                                 tile_tokens=tok))(*args)
             ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3

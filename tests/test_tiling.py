@@ -100,16 +100,26 @@ def test_fused_plan_caps_tile_and_never_splits():
 
 
 def test_mma_format_follows_the_tile():
-    # f16 operands at 8- to 32-row (decode) tiles, e4m3 from 64 rows; an explicit choice is kept or refused.
+    # f16 operands at 8- to 64-row tiles (64 also up to 64 expected rows per expert, where the tile rule would
+    # take 128), e4m3 at 128; an explicit choice is kept or refused.
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).mma == "f16"
     assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS).mma == "f16"
-    assert tiling.plan_grouped_gemm(1024, 32, 4096, 7168, num_sms=SMS).tile_tokens == 64
-    assert tiling.plan_grouped_gemm(1024, 32, 4096, 7168, num_sms=SMS).mma == "e4m3"
+    for m in (1024, 2048):
+        p = tiling.plan_grouped_gemm(m, 32, 4096, 7168, num_sms=SMS, cutlass=False)
+        assert (p.tile_tokens, p.mma) == (64, "f16"), m
+    for m in (2080, 4096):  # 65 and 128 rows per expert
+        p = tiling.plan_grouped_gemm(m, 32, 4096, 7168, num_sms=SMS, cutlass=False)
+        assert (p.tile_tokens, p.mma) == (128, "e4m3"), m
+    # e4m3 asked for: the tile rule alone (128 at 64 rows per expert)
+    assert tiling.plan_grouped_gemm(2048, 32, 4096, 7168, num_sms=SMS, mma="e4m3").tile_tokens == 128
     assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS).mma == "e4m3"
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
     assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
+    # f16 runs every grouped tile up to 128 tokens when asked for (not the plain kernel's tile 0)
+    f16 = tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS, mma="f16")
+    assert (f16.tile_tokens, f16.mma, f16.kernel) == (128, "f16", "native")
     with pytest.raises(ValueError, match="'mma'"):
-        tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS, mma="f16")
+        tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS, tile_tokens=0, mma="f16")
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=0, num_sms=SMS).mma == "e4m3"
 
 

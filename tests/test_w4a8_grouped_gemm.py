@@ -210,7 +210,7 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"),
-                                             (64, "e4m3")])
+                                             (64, "e4m3"), (64, "f16"), (128, "f16")])
 def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma):
     """Same inputs, 16 calls: every element of every call near float64, not just the norm.
 
@@ -246,7 +246,8 @@ def _assert_rows_close(out, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (16, "e4m3"), (32, "e4m3")])
+@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (64, "f16"), (128, "f16"),
+                                             (16, "e4m3"), (32, "e4m3")])
 def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
     """Group scales far apart within a token, zero, negative and NaN, on the tensor-core kernels vs float64.
 
@@ -279,7 +280,8 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (16, "e4m3"), (32, "e4m3")])
+@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (64, "f16"), (128, "f16"),
+                                             (16, "e4m3"), (32, "e4m3")])
 @pytest.mark.parametrize("n, split", [(256, True), (32768, False)], ids=["split-k", "whole-k"])
 def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mma, n, split):
     """A token whose scales are all 0 gives exact zeros even where its unscaled sums overflow float32 (codes
@@ -319,10 +321,10 @@ def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mm
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
-@pytest.mark.parametrize("tile_tokens", [16, 32])
+@pytest.mark.parametrize("tile_tokens", [16, 32, 64, 128])
 @pytest.mark.parametrize("mma", ["e4m3", "f16"])
 def test_both_mma_formats_on_gpu(rng, device, scenario, tile_tokens, mma):
-    """Both tensor-core operand formats for int4 weights at the decode token tiles vs float64."""
+    """Both tensor-core operand formats for int4 weights at the wgmma token tiles vs float64."""
     if device.platform != "gpu":
         pytest.skip("the MMA formats exist on the CUDA handler only")
     _check_scenario_on_gpu(rng, device, scenario, tile_tokens=tile_tokens, mma=mma)
@@ -332,8 +334,8 @@ def test_mma_option_is_checked(rng):
     a = _good(rng)
     with pytest.raises(ValueError, match="'mma'"):
         ops.w4a8_grouped_gemm(**a, mma="int8")
-    with pytest.raises(ValueError, match="'mma'"):
-        ops.w4a8_grouped_gemm(**a, mma="f16", tile_tokens=128)
+    with pytest.raises(ValueError, match="'mma'"):  # the plain CUDA-core kernel has no MMA
+        ops.w4a8_grouped_gemm(**a, mma="f16", tile_tokens=0)
     with pytest.raises(ValueError, match="'tile_tokens'=8"):  # the 8-token tile exists for the f16 MMA only
         ops.w4a8_grouped_gemm(**a, mma="e4m3", tile_tokens=8)
 

@@ -10,13 +10,13 @@
 //                allow, two groups are in flight per warpgroup (ping-pong accumulators); where one is
 //                (128-token prefill tiles), the two warpgroups take turns issuing MMAs, so one promotes
 //                while the other's MMAs run.
-//   f16 MMA path (int4 weights, int4_f16, token tiles 8 / 16 / 32): the consumers convert int4 to f16
+//   f16 MMA path (int4 weights, int4_f16, token tiles 8 to 128; fused: 8 / 16 / 32): the consumers convert int4 to f16
 //                instead (fewer integer instructions); the activations were converted to f16 in the
 //                matching K order once per call by the preparation kernel (ConvertXToF16), each group
 //                scaled by its activation scale over the token's largest (applied after the K loop and
 //                any stream-K fix-up, so the promotion is total += sw(row, g) * partial), and the
-//                producer loads them by TMA like the e4m3 tiles (without the scale box). 16- and
-//                32-token tiles multiply on wgmma (weights in registers); 8-token tiles on warp-level
+//                producer loads them by TMA like the e4m3 tiles (without the scale box). 16- to
+//                128-token tiles multiply on wgmma (weights in registers); 8-token tiles on warp-level
 //                mma.sync m16n8k16: each warp converts and multiplies its own 16 rows, reads the
 //                activation fragments with ldmatrix and frees the stage once its operands are in
 //                registers, with the next group's MMAs in flight while a group is promoted (H200,
@@ -458,7 +458,9 @@ __device__ __forceinline__ void Wgmma(float (&d)[kTok / 2], uint64_t a, uint64_t
 template <int kTok>
 __device__ __forceinline__ void WgmmaF16Rs(float (&d)[kTok / 2], const uint32_t (&a)[4], uint64_t b, int scale_d) {
   if constexpr (kTok == 16) sm90::WgmmaF16RsN16(d, a, b, scale_d);
-  else sm90::WgmmaF16RsN32(d, a, b, scale_d);
+  else if constexpr (kTok == 32) sm90::WgmmaF16RsN32(d, a, b, scale_d);
+  else if constexpr (kTok == 64) sm90::WgmmaF16RsN64(d, a, b, scale_d);
+  else sm90::WgmmaF16RsN128(d, a, b, scale_d);
 }
 
 template <int kTok>
@@ -750,7 +752,7 @@ template <int kTok, bool kInt4, int kParts, bool kF16 = false>
 struct Pipeline {
   // Registers of two slots: accumulators, running total and (int4, wgmma) A fragments (twice as many as f16).
   // With mma.sync the fragments are built and used within one K step, so only the accumulators count.
-  // The f16 path's 8-token tiles run on mma.sync (see the consumers), the 16- and 32-token ones on wgmma.
+  // The f16 path's 8-token tiles run on mma.sync (see the consumers), the 16- to 128-token ones on wgmma.
   static constexpr bool kSync = kF16 && kTok == 8;
   static constexpr int kRegs = 3 * kParts * (kTok / 2) + (kInt4 && !kSync ? 2 * kParts * (kF16 ? 32 : 16) : 0);
   static constexpr int kDepth =
@@ -762,7 +764,8 @@ template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false, 
 __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
-  static_assert(!kF16 || (kInt4 && kTok <= 32), "the f16 path is for int4 decode tiles");
+  static_assert(!kF16 || (kInt4 && (kTok <= 32 || (kParts == 1 && kTok <= 128))),
+                "the f16 path: int4 weights, token tiles up to 32 (fused) or 128");
   using L = Layout<kTok, kInt4, kParts, kF16>;
   constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
   constexpr bool kPanels = kTok >= 128 && !kInt4;  // unit order: see DecodeUnit
@@ -899,13 +902,16 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     // applied after the loop and any stream-K fix-up (apply_token_scales); 0 past the unit's rows and on
     // zero-fill units (whose rows' scales may be anything; their totals stay 0). Loaded here, so that the
     // loads complete under the loop.
-    float tok_s[kF16 ? kTok / 4 : 1];
-    if constexpr (kF16) {
+    // From 64-token tiles they are loaded after the loop instead (their registers are the accumulators').
+    constexpr bool kEarlyTokS = kF16 && kTok <= 32;
+    float tok_s[kEarlyTokS ? kTok / 4 : 1];
+    auto token_scale = [&](int j) {
+      const int64_t m = t.m0 + 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
+      return !t.zero && m < t.m_end ? __ldg(p.sx + t.head * p.mp + m) : 0.0f;
+    };
+    if constexpr (kEarlyTokS) {
 #pragma unroll
-      for (int j = 0; j < kTok / 4; ++j) {
-        const int64_t m = t.m0 + 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
-        tok_s[j] = !t.zero && m < t.m_end ? __ldg(p.sx + t.head * p.mp + m) : 0.0f;
-      }
+      for (int j = 0; j < kTok / 4; ++j) tok_s[j] = token_scale(j);
     }
     // Weight scales of rows row0 and row0 + 8: pre[j] holds those of the groups g_begin + j, + 2, + 4, ...,
     // loaded one and a half to two groups before they are needed, so that the global-load latency hides
@@ -1268,8 +1274,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 #pragma unroll
         for (int j = 0; j < kTok / 4; ++j) {
           const int i = 4 * (j / 2) + (j % 2);
+          const float s = kEarlyTokS ? tok_s[kEarlyTokS ? j : 0] : token_scale(j);
 #pragma unroll
-          for (int part = 0; part < kParts; ++part) total[part][i] *= tok_s[j], total[part][i + 2] *= tok_s[j];
+          for (int part = 0; part < kParts; ++part) total[part][i] *= s, total[part][i + 2] *= s;
         }
       }
     };
@@ -1515,6 +1522,12 @@ cudaError_t LaunchF16(const HopperGemmParams& p, cudaStream_t stream, const Devi
     case 8: return Launch<8, true, kParts, true>(p, stream, dev);
     case 16: return Launch<16, true, kParts, true>(p, stream, dev);
     case 32: return Launch<32, true, kParts, true>(p, stream, dev);
+    case 64:
+      if constexpr (kParts == 1) return Launch<64, true, 1, true>(p, stream, dev);
+      return cudaErrorInvalidValue;
+    case 128:
+      if constexpr (kParts == 1) return Launch<128, true, 1, true>(p, stream, dev);
+      return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;
   }
 }
@@ -1599,8 +1612,8 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   if (p.tile_tokens == 192 && (p.w_int4 || p.sw_row_shift != 7)) {
     *why = "tile_tokens 192 is for the block-scaled fp8 einsum (one weight scale per 128 rows)"; return false;
   }
-  if (p.int4_f16 && (!p.w_int4 || p.tile_tokens > 32)) {
-    *why = "the f16 MMA path needs int4 weights and tile_tokens <= 32"; return false;
+  if (p.int4_f16 && (!p.w_int4 || p.tile_tokens > (p.fused_up ? 32 : 128))) {
+    *why = "the f16 MMA path needs int4 weights and tile_tokens <= 128 (<= 32 fused)"; return false;
   }
   if (p.fused_up && (!p.w_int4 || p.split_k != 1 || p.tile_tokens > 64 || p.f % kFeatTile)) {
     *why = "the fused up-projection needs int4 weights, split_k 1, tile_tokens <= 64 and I % 128 == 0";

@@ -158,8 +158,6 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (tile_tokens != 0 && tile_tokens != 8 && tile_tokens != 16 && tile_tokens != 32 && tile_tokens != 64 &&
       tile_tokens != 128)
     return Invalid("w4a8_grouped_gemm", "tile_tokens must be 0, 8, 16, 32, 64 or 128");
-  if (kernel == 0 && mma == 1 && tile_tokens > 32)
-    return Invalid("w4a8_grouped_gemm", "mma 1 (f16) runs token tiles 8, 16 and 32");
   if (kernel == 0 && mma == 0 && tile_tokens == 8)
     return Invalid("w4a8_grouped_gemm", "tile_tokens 8 runs the f16 MMA (mma 1) only");
   if (d.m == 0) return ffi::Error::Success();
