@@ -72,8 +72,8 @@ products and one FMA per accumulator. The heuristic:
   The grouped GEMM plan also takes f16 at 64-token tiles (one block per SM, two groups in flight per
   warpgroup), and takes that tile instead of 128 up to ``_F16_HALF_TILE_ROWS`` (64) expected rows per
   expert. H200, same process, 32 experts, us, best of two rounds, f16 at 64 tokens vs e4m3 at 64 / 128
-  tokens: gate+up M = 1024 295 vs 371 / -, 1536 292-299 vs - / 439, 2048 429-441 vs 558 / 449-451; down
-  190 vs 238 / -, 184-189 vs - / 287, 267-269 vs 324 / 282-303. From 80 rows per expert the 128-token
+  tokens: gate+up M = 1024 295 vs 371 / -, 1536 292-299 vs - / 439, 2048 429-444 vs 558 / 447-451; down
+  190 vs 227-238 / -, 184-189 vs - / 287, 259-269 vs 324 / 282-303. From 80 rows per expert the 128-token
   e4m3 tile wins (M = 2560 / 3072: gate+up 451 / 457 vs f16 at 64 tokens 559 / 559, down 283 / 291-294 vs
   349 / 366). f16 at 128-token tiles (one group in flight, the warpgroups taking turns) does not pay:
   gate+up M = 4096 665-678 vs e4m3 640-648 us, M = 16384 2174 vs 1912 (down 1260 vs 1197); ``ncu`` at 16384
