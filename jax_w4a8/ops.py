@@ -426,17 +426,15 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
       w13: int8 packed int4 [E, 2I, K/2], gate rows first; w13_scale: float32/bfloat16 [E, 2I, K/128].
       down_input_scale: optional float32 scalar.
       rows_per_expert, tile_tokens: the fused kernel's tile plan, as :func:`w4a8_grouped_gemm` (token
-        tiles 8 (f16 only), 16, 32 or 64); mma: its tensor-core operand format, None (the plan: f16 at
-        8- to 32-token tiles, else e4m3), "e4m3" or "f16" (token tiles 8, 16 and
-        32); see :func:`jax_w4a8.tiling.plan_moe_up`.
+        tiles 8 (f16 only), 16, 32 or 64); mma: its tensor-core operand format, None (the plan: f16),
+        "e4m3" (token tiles 16, 32, 64) or "f16" (all four); see :func:`jax_w4a8.tiling.plan_moe_up`.
     Returns:
       (h8 float8_e4m3fn [M, I], scale): float32 [M, I // 128] (dynamic) or the scalar (static). Rows
       not owned by any expert give h = 0 (codes 0).
     Raises:
       TypeError / ValueError naming the argument, at trace time, before any kernel runs: bad shapes or
       dtypes (as :func:`w4a8_grouped_gemm`), ``w13`` without gate and up halves, a non-scalar
-      ``down_input_scale``, an unknown ``tile_tokens`` or ``mma``, ``mma="f16"`` with a 64-token tile, or
-      ``mma="e4m3"`` with an 8-token tile.
+      ``down_input_scale``, an unknown ``tile_tokens`` or ``mma``, or ``mma="e4m3"`` with an 8-token tile.
     """
     op = "w4a8_moe_up"
     _check_impl(op, impl)

@@ -80,7 +80,7 @@ def main() -> int:
     w13, s13 = quant.quantize_w4(rng.standard_normal((3, 256, 256)).astype(np.float32))
     args = (x8, xs, w13, s13, jnp.asarray([10, 0, 30], jnp.int32))
     r8 = np.asarray(jax.jit(lambda *a: ops.w4a8_moe_up(*a, impl="reference")[0])(*args)).view(np.uint8)
-    for tok, mma in ((16, "e4m3"), (64, "e4m3"), (8, "f16"), (16, "f16"), (32, "f16")):
+    for tok, mma in ((16, "e4m3"), (64, "e4m3"), (8, "f16"), (16, "f16"), (32, "f16"), (64, "f16")):
         h8, hs = jax.jit(lambda *a, tok=tok, mma=mma: ops.w4a8_moe_up(*a, tile_tokens=tok, mma=mma))(*args)
         ok &= np.mean(np.asarray(h8).view(np.uint8) == r8) > 0.97
     q8, qs = jax.jit(lambda v: ops.quantize_fp8_groups(v, ue8m0=True, impl="ffi"))(

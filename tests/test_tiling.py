@@ -88,8 +88,10 @@ def test_fused_plan_f16_holds_the_f16_activations():
     assert (e4.mma, f16.mma, f16.tile_tokens) == ("e4m3", "f16", 16)
     assert tiling.plan_moe_up(64, 32, 2048, 7168, num_sms=SMS).tile_tokens == 8
     assert f16.scratch_bytes == e4.scratch_bytes + 2 * 256 * 7168  # [M, K] f16 after the scales
-    with pytest.raises(ValueError, match="'mma'"):
-        tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS, mma="f16")  # 64-token tiles: e4m3 only
+    # 64-token tiles (the fused kernel's largest) take f16 too; e4m3 when asked for
+    big = tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS)
+    assert (big.tile_tokens, big.mma) == (64, "f16")
+    assert tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
 
 
 def test_fused_plan_caps_tile_and_never_splits():

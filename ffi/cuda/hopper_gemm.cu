@@ -10,7 +10,7 @@
 //                allow, two groups are in flight per warpgroup (ping-pong accumulators); where one is
 //                (128-token prefill tiles), the two warpgroups take turns issuing MMAs, so one promotes
 //                while the other's MMAs run.
-//   f16 MMA path (int4 weights, int4_f16, token tiles 8 to 128; fused: 8 / 16 / 32): the consumers convert int4 to f16
+//   f16 MMA path (int4 weights, int4_f16, token tiles 8 to 128; fused: 8 to 64): the consumers convert int4 to f16
 //                instead (fewer integer instructions); the activations were converted to f16 in the
 //                matching K order once per call by the preparation kernel (ConvertXToF16), each group
 //                scaled by its activation scale over the token's largest (applied after the K loop and
@@ -764,7 +764,7 @@ template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false, 
 __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
-  static_assert(!kF16 || (kInt4 && (kTok <= 32 || (kParts == 1 && kTok <= 128))),
+  static_assert(!kF16 || (kInt4 && (kTok <= 64 || (kParts == 1 && kTok <= 128))),
                 "the f16 path: int4 weights, token tiles up to 32 (fused) or 128");
   using L = Layout<kTok, kInt4, kParts, kF16>;
   constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
@@ -1530,9 +1530,7 @@ cudaError_t LaunchF16(const HopperGemmParams& p, cudaStream_t stream, const Devi
     case 8: return Launch<8, true, kParts, true>(p, stream, dev);
     case 16: return Launch<16, true, kParts, true>(p, stream, dev);
     case 32: return Launch<32, true, kParts, true>(p, stream, dev);
-    case 64:
-      if constexpr (kParts == 1) return Launch<64, true, 1, true>(p, stream, dev);
-      return cudaErrorInvalidValue;
+    case 64: return Launch<64, true, kParts, true>(p, stream, dev);
     case 128:
       if constexpr (kParts == 1) return Launch<128, true, 1, true>(p, stream, dev);
       return cudaErrorInvalidValue;
@@ -1620,8 +1618,8 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why) {
   if (p.tile_tokens == 192 && (p.w_int4 || p.sw_row_shift != 7)) {
     *why = "tile_tokens 192 is for the block-scaled fp8 einsum (one weight scale per 128 rows)"; return false;
   }
-  if (p.int4_f16 && (!p.w_int4 || p.tile_tokens > (p.fused_up ? 32 : 128))) {
-    *why = "the f16 MMA path needs int4 weights and tile_tokens <= 128 (<= 32 fused)"; return false;
+  if (p.int4_f16 && (!p.w_int4 || p.tile_tokens > (p.fused_up ? 64 : 128))) {
+    *why = "the f16 MMA path needs int4 weights and tile_tokens <= 128 (<= 64 fused)"; return false;
   }
   if (p.fused_up && (!p.w_int4 || p.split_k != 1 || p.tile_tokens > 64 || p.f % kFeatTile)) {
     *why = "the fused up-projection needs int4 weights, split_k 1, tile_tokens <= 64 and I % 128 == 0";

@@ -49,7 +49,7 @@ struct HopperGemmParams {
   int split_k;                 // > 1: stream-K (partial tiles summed in block order by the piece completing a tile)
   int tile_tokens;             // 16, 32, 64 or 128; 192 for the block-scaled fp8 einsum; 8 for int4_f16
   // int4 weights: MMA in f16 (int4 -> f16 costs half the integer instructions of int4 -> e4m3) instead of
-  // e4m3; tile_tokens 8 to 128 (fused: 8, 16 or 32). The activations go to f16 once per call, before the GEMM, into
+  // e4m3; tile_tokens 8 to 128 (fused: 8 to 64). The activations go to f16 once per call, before the GEMM, into
   // xh (scratch, HopperGemmF16ActivationBytes): [M, H, K] f16 with each 128-K group in the K order of the
   // kernel's int4 -> f16 fragments (see ConvertXToF16 in hopper_gemm.cu).
   bool int4_f16 = false;
