@@ -78,8 +78,8 @@ def test_every_tile_configuration_is_built(kernels):
                    for rows in ("token rows", "token rows, stream-K")}
                 | {(t, True, 1, False) for t in (16, 32, 64, 128)}  # int4 grouped GEMM, e4m3 MMA
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
-                | {(t, True, 1, True) for t in (8, 16, 32)}  # int4 grouped GEMM, f16 MMA
-                | {(t, True, 2, True) for t in (8, 16, 32)})  # fused up-projection, f16 MMA
+                | {(t, True, 1, True) for t in (8, 16, 32, 64, 128)}  # int4 grouped GEMM, f16 MMA
+                | {(t, True, 2, True) for t in (8, 16, 32, 64)})  # fused up-projection, f16 MMA
     assert set(kernels) == expected
 
 
@@ -120,6 +120,8 @@ def test_kernels_issue_mmas_in_their_operand_format(kernels):
 HOT_LOOP_SPILL_BUDGET = {
     (32, False, 1, False): 1,  # fp8 einsum, 32-token tile
     (32, True, 2, False): 1,  # fused up-projection, 32-token tile
+    (64, True, 2, True): 1,  # fused up-projection, f16 at 64 tokens (one reload per two groups; H200: 1.13x-1.16x
+                             # the e4m3 fused kernel with it)
     (192, False, 1, False, "token rows"): 1,  # three consumer warpgroups at 160 registers
     (192, False, 1, False, "token rows, stream-K"): 3,  # the same with the stream-K fix-up
 }
@@ -186,6 +188,7 @@ HOT_LOOP_INSTRUCTIONS_PER_GROUP = {
     (8, True, 1, True): 150,  # mma.sync, two groups per loop iteration
     (16, True, 1, True): 162,  # wgmma, two groups per iteration
     (32, True, 1, True): 175,  # wgmma, one group in flight, groups in pairs
+    (64, True, 1, True): 190,  # wgmma, two groups in flight (179 per group, twenty-fifth session)
 }
 
 
