@@ -426,8 +426,9 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
       w13: int8 packed int4 [E, 2I, K/2], gate rows first; w13_scale: float32/bfloat16 [E, 2I, K/128].
       down_input_scale: optional float32 scalar.
       rows_per_expert, tile_tokens: the fused kernel's tile plan, as :func:`w4a8_grouped_gemm` (token
-        tiles 8 (f16 only), 16, 32 or 64); mma: its tensor-core operand format, None (the plan: f16),
-        "e4m3" (token tiles 16, 32, 64) or "f16" (all four); see :func:`jax_w4a8.tiling.plan_moe_up`.
+        tiles 8 (f16 only), 16, 32 or 64); mma: its tensor-core operand format, None (the plan: f16 up to
+        64 rows per expert), "e4m3" (token tiles 16, 32, 64) or "f16" (all four); see
+        :func:`jax_w4a8.tiling.plan_moe_up`.
     Returns:
       (h8 float8_e4m3fn [M, I], scale): float32 [M, I // 128] (dynamic) or the scalar (static). Rows
       not owned by any expert give h = 0 (codes 0).

@@ -63,7 +63,7 @@ products and one FMA per accumulator. The heuristic:
   converted once per call by the scale-preparation kernel into the scratch (2 M K bytes, in the K
   order of the weight fragments) and loaded by TMA like the e4m3 tiles; an f16 MMA with float32
   accumulation. Both are exact (int4 and e4m3 values are f16 values, products exact in float32). The
-  plans take f16 at these tiles, the fused up-projection's too (H200, same run, gate+up M = 512:
+  plans take f16 at the 8- to 32-token tiles, the fused up-projection's too (H200, same run, gate+up M = 512:
   fused f16 268 us, fused e4m3 327, unfused GEMM + SiLU-mul + quantize 284; skewed routing 379 / 474
   / 345). H200, same runs (two rounds, one process per build), us, f16 with the
   once-per-call conversion vs the former per-stage conversion by three producer warps: 16-token tiles
@@ -296,8 +296,8 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     ``kernel``: None lets the plan choose (the CUTLASS path for bfloat16 output from
     :func:`cutlass_grouped_min_rows` expected rows per expert, when built with it); "cutlass" or "native"
     forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
-    Raises ValueError naming ``tile_tokens``, ``mma`` or ``kernel`` (unknown value; "f16" with a tile other
-    than 8, 16 or 32; "e4m3" with tile 8; a kernel choice these shapes cannot run).
+    Raises ValueError naming ``tile_tokens``, ``mma`` or ``kernel`` (unknown value; "f16" with tile 0, the
+    plain CUDA-core kernel; "e4m3" with tile 8; a kernel choice these shapes cannot run).
     """
     if kernel not in (None,) + GROUPED_KERNELS:
         raise ValueError(f"argument 'kernel' must be None or one of {GROUPED_KERNELS}, got {kernel!r}")
@@ -323,7 +323,7 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     # e4m3 asked for without a tile: the plan picks among the e4m3 tiles (8 is the f16 MMA's only)
     tiles = TILE_TOKENS if (mma == "e4m3" and tile_tokens is None) else GROUPED_TILE_TOKENS
     plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles)
-    if mma is None and tile_tokens is None and plan.tile_tokens == 128 and rows <= _F16_HALF_TILE_ROWS:
+    if mma != "e4m3" and tile_tokens is None and plan.tile_tokens == 128 and rows <= _F16_HALF_TILE_ROWS:
         plan = _plan(m, 1, n, k, e, rows, 64, num_sms, spread=True, busy=busy, allowed=tiles)
     if mma is None:  # measured on the H200: f16 wins at 8- to 64-row tiles (module docstring)
         mma = "f16" if plan.tile_tokens in F16_TILE_TOKENS else "e4m3"
@@ -352,10 +352,11 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
 
     ``mma``: the tensor-core operand format as in :func:`plan_grouped_gemm` ("f16" at every fused tile, 8
     to 64: the activations as f16, converted once per call, follow the scales in the scratch); None takes
-    f16. H200, same process, gate+up 32 experts, us, fused f16 vs fused e4m3 at 64 tokens vs the unfused
-    GEMM + SiLU-mul + quantizer: M = 1024 304 / 352 / 309, M = 2048 455 / 514 / 465 (h8 codes of the two
-    formats 98% equal: float32 summation order and the folded-scale rounding). Raises ValueError naming
-    ``tile_tokens`` or ``mma``.
+    f16 at 8 to 32 tokens, and at 64 up to ``_F16_HALF_TILE_ROWS`` (64) expected rows per expert (where it
+    was measured; e4m3 above). H200, same process, gate+up 32 experts, us, fused f16 vs fused e4m3 at 64
+    tokens vs the unfused GEMM + SiLU-mul + quantizer: M = 1024 304 / 352 / 309, M = 2048 455 / 514 / 465
+    (h8 codes of the two formats 98% equal: float32 summation order and the folded-scale rounding). Raises
+    ValueError naming ``tile_tokens`` or ``mma``.
     """
     rows = rows_per_expert if rows_per_expert is not None else m / e
     if tile_tokens is None:
@@ -365,8 +366,8 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
                          f"got {tile_tokens!r}")
     plan = _plan(m, 1, inter, k, e, rows, tile_tokens, num_sms, allowed=GROUPED_TILE_TOKENS)
     scratch = _align256((k // 128) * (-(-m // 4) * 4) * 4)
-    if mma is None:  # f16 at every fused tile (H200: module docstring)
-        mma = "f16" if tile_tokens in FUSED_F16_TILE_TOKENS else "e4m3"
+    if mma is None:  # f16 where measured faster (H200: see above)
+        mma = "f16" if tile_tokens < 64 or rows <= _F16_HALF_TILE_ROWS else "e4m3"
     return _with_mma(GemmPlan(plan.tile_tokens, 1, scratch, plan.units), mma, m, k)
 
 

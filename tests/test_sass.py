@@ -178,7 +178,7 @@ def test_cutlass_grouped_kernel_issues_fp8_wgmma_without_spills(functions):
     assert len(convert) == 1 and "PRMT" in convert[0]
 
 
-# Instructions per K group in the innermost loop of the int4 decode kernels (nvcc 13.0): weight-scale loads
+# Instructions per K group in the innermost loop of the int4 f16 kernels (decode tiles, and 64 tokens; nvcc 13.0): weight-scale loads
 # from per-unit row pointers with 32-bit group indices, not 64-bit index arithmetic and a scale-type switch
 # per load (which made a third of the 8-token loop: 204 -> 141 instructions per group, 5-10% faster on the
 # H200). Since the activation scales were folded into the f16 activations (no token-scale loads or products):
@@ -192,7 +192,7 @@ HOT_LOOP_INSTRUCTIONS_PER_GROUP = {
 }
 
 
-def test_int4_decode_loops_stay_lean(kernels):
+def test_int4_f16_loops_stay_lean(kernels):
     for config, per_group in HOT_LOOP_INSTRUCTIONS_PER_GROUP.items():
         loop = _innermost_mma_loop(kernels[config])
         mmas = sum(1 for t in loop if re.search(r"\b(HGMMA|HMMA)\b", t))
@@ -201,7 +201,7 @@ def test_int4_decode_loops_stay_lean(kernels):
         assert len(loop) <= per_group * groups, (config, len(loop), groups)
 
 
-F16_KERNELS = [(tok, True, parts, True) for tok in (8, 16, 32) for parts in (1, 2)]
+F16_KERNELS = [(tok, True, parts, True) for tok in (8, 16, 32, 64) for parts in (1, 2)] + [(128, True, 1, True)]
 
 
 def test_f16_loops_promote_without_token_scales(kernels):
@@ -237,8 +237,9 @@ def _first_read_distance(loop, i, reg):
 
 
 # Kernels whose weight-scale loads are consumed where the promotion uses them (hopper_gemm.cu, kDirect).
-SCALE_SLOT_KERNELS = [(8, True, 1, True), (16, True, 1, True), (32, True, 1, True), (8, True, 2, True),
-                      (16, True, 2, True), (32, True, 2, True), (16, False, 1, False), (32, False, 1, False),
+SCALE_SLOT_KERNELS = [(8, True, 1, True), (16, True, 1, True), (32, True, 1, True), (64, True, 1, True),
+                      (128, True, 1, True), (8, True, 2, True), (16, True, 2, True), (32, True, 2, True),
+                      (64, True, 2, True), (16, False, 1, False), (32, False, 1, False),
                       (64, False, 1, False), (16, True, 1, False), (64, True, 1, False)]
 
 

@@ -84,14 +84,17 @@ def test_busy_experts_matches_simulation():
 
 def test_fused_plan_f16_holds_the_f16_activations():
     e4 = tiling.plan_moe_up(256, 32, 2048, 7168, num_sms=SMS, mma="e4m3")
-    f16 = tiling.plan_moe_up(256, 32, 2048, 7168, num_sms=SMS)  # the default at 8- to 32-row tiles
+    f16 = tiling.plan_moe_up(256, 32, 2048, 7168, num_sms=SMS)  # the default up to 64 rows per expert
     assert (e4.mma, f16.mma, f16.tile_tokens) == ("e4m3", "f16", 16)
     assert tiling.plan_moe_up(64, 32, 2048, 7168, num_sms=SMS).tile_tokens == 8
     assert f16.scratch_bytes == e4.scratch_bytes + 2 * 256 * 7168  # [M, K] f16 after the scales
-    # 64-token tiles (the fused kernel's largest) take f16 too; e4m3 when asked for
+    # 64-token tiles (the fused kernel's largest) take f16 up to 64 rows per expert (where measured), e4m3 above
+    mid = tiling.plan_moe_up(2048, 32, 2048, 7168, num_sms=SMS)
+    assert (mid.tile_tokens, mid.mma) == (64, "f16")
+    assert tiling.plan_moe_up(2048, 32, 2048, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
     big = tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS)
-    assert (big.tile_tokens, big.mma) == (64, "f16")
-    assert tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
+    assert (big.tile_tokens, big.mma) == (64, "e4m3")
+    assert tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS, mma="f16").mma == "f16"
 
 
 def test_fused_plan_caps_tile_and_never_splits():
@@ -112,9 +115,10 @@ def test_mma_format_follows_the_tile():
     for m in (2080, 4096):  # 65 and 128 rows per expert
         p = tiling.plan_grouped_gemm(m, 32, 4096, 7168, num_sms=SMS, cutlass=False)
         assert (p.tile_tokens, p.mma) == (128, "e4m3"), m
-    # e4m3 asked for: the tile rule alone (128 at 64 rows per expert)
+    # e4m3 asked for: the tile rule alone (128 at 64 rows per expert); f16 asked for: as the default
     assert tiling.plan_grouped_gemm(2048, 32, 4096, 7168, num_sms=SMS, mma="e4m3").tile_tokens == 128
-    assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS).mma == "e4m3"
+    assert tiling.plan_grouped_gemm(2048, 32, 4096, 7168, num_sms=SMS, mma="f16").tile_tokens == 64
+    assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, num_sms=SMS, cutlass=False).mma == "e4m3"
     assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
     assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, num_sms=SMS, mma="e4m3").mma == "e4m3"
     # f16 runs every grouped tile up to 128 tokens when asked for (not the plain kernel's tile 0)
@@ -301,7 +305,7 @@ def test_plans_hold_the_scratch_the_cuda_handlers_check():
     for m, n, k in _shapes(rng, 1500):
         e = int(rng.choice([1, 8, 32, 256]))
         choices = [{}, {"tile_tokens": int(rng.choice([8, 16, 32]))}, {"tile_tokens": int(rng.choice([64, 128]))},
-                   {"mma": "e4m3"}]
+                   {"mma": "e4m3"}, {"mma": "f16", "tile_tokens": int(rng.choice([64, 128]))}]
         for kw in choices:
             for cutlass in (False, True):
                 try:

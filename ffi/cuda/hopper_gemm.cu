@@ -765,7 +765,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
   static_assert(!kF16 || (kInt4 && (kTok <= 64 || (kParts == 1 && kTok <= 128))),
-                "the f16 path: int4 weights, token tiles up to 32 (fused) or 128");
+                "the f16 path: int4 weights, token tiles up to 64 (fused) or 128");
   using L = Layout<kTok, kInt4, kParts, kF16>;
   constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
   constexpr bool kPanels = kTok >= 128 && !kInt4;  // unit order: see DecodeUnit
