@@ -132,14 +132,13 @@ import math
 import jax
 
 __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "EINSUM_TILE_TOKENS",
-           "GROUPED_TILE_TOKENS", "F16_TILE_TOKENS", "GROUPED_F16_TILE_TOKENS", "FUSED_F16_TILE_TOKENS",
+           "GROUPED_TILE_TOKENS", "F16_TILE_TOKENS", "FUSED_F16_TILE_TOKENS",
            "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS"]
 
 TILE_TOKENS = (16, 32, 64, 128)
 GROUPED_TILE_TOKENS = (8,) + TILE_TOKENS  # 8: int4 weights with the f16 MMA only
 F16_TILE_TOKENS = (8, 16, 32, 64)  # the grouped GEMM plan's f16-MMA tiles (H200: module docstring)
-GROUPED_F16_TILE_TOKENS = GROUPED_TILE_TOKENS  # token tiles the grouped GEMM's f16 MMA path runs
-FUSED_F16_TILE_TOKENS = (8, 16, 32, 64)  # ... and the fused up-projection's (its default f16 tiles too)
+FUSED_F16_TILE_TOKENS = (8, 16, 32, 64)  # the fused up-projection's f16 tiles (the grouped GEMM runs f16 at all of its)
 _F16_HALF_TILE_ROWS = 64  # the grouped plan takes 64-token f16 tiles over 128-token e4m3 ones up to this many
 # expected rows per expert (H200: module docstring)
 EINSUM_TILE_TOKENS = (8,) + TILE_TOKENS + (192,)  # 8: the einsum's decode kernel; 192: block-scaled only
@@ -327,7 +326,7 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
         plan = _plan(m, 1, n, k, e, rows, 64, num_sms, spread=True, busy=busy, allowed=tiles)
     if mma is None:  # measured on the H200: f16 wins at 8- to 64-row tiles (module docstring)
         mma = "f16" if plan.tile_tokens in F16_TILE_TOKENS else "e4m3"
-    return _with_mma(plan, mma, m, k, GROUPED_F16_TILE_TOKENS)
+    return _with_mma(plan, mma, m, k, GROUPED_TILE_TOKENS)
 
 
 def _with_mma(plan: GemmPlan, mma: str, m: int, k: int, f16_tiles: tuple[int, ...] = FUSED_F16_TILE_TOKENS) -> GemmPlan:

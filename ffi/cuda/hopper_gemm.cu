@@ -911,10 +911,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     };
     if constexpr (kEarlyTokS) {
 #pragma unroll
-      for (int j = 0; j < kTok / 4; ++j) {
-        const int64_t m = t.m0 + 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
-        tok_s[j] = !t.zero && m < t.m_end ? __ldg(p.sx + t.head * p.mp + m) : 0.0f;
-      }
+      for (int j = 0; j < kTok / 4; ++j) tok_s[j] = token_scale(j);
     }
     // Weight scales of rows row0 and row0 + 8: pre[j] holds those of the groups g_begin + j, + 2, + 4, ...,
     // loaded one and a half to two groups before they are needed, so that the global-load latency hides
@@ -1277,14 +1274,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 #pragma unroll
         for (int j = 0; j < kTok / 4; ++j) {
           const int i = 4 * (j / 2) + (j % 2);
-          if constexpr (kEarlyTokS) {
+          float s;
+          if constexpr (kEarlyTokS) s = tok_s[j];
+          else s = token_scale(j);
 #pragma unroll
-            for (int part = 0; part < kParts; ++part) total[part][i] *= tok_s[j], total[part][i + 2] *= tok_s[j];
-          } else {
-            const float s = token_scale(j);
-#pragma unroll
-            for (int part = 0; part < kParts; ++part) total[part][i] *= s, total[part][i + 2] *= s;
-          }
+          for (int part = 0; part < kParts; ++part) total[part][i] *= s, total[part][i + 2] *= s;
         }
       }
     };
