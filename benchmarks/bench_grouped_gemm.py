@@ -8,7 +8,9 @@ the experts (multinomial), plus skewed routing (4 hot experts take 85% of the ro
 in the same process: JAX's Pallas Mosaic-GPU grouped GEMM (bf16, and fp8 with K-major weights; best
 of its tile configs), XLA ragged_dot (bf16, fp8, int4 dequantized to bf16 inside jit) and, when torch
 imports, torch._grouped_mm (bf16) and torch._scaled_grouped_mm (fp8). Our kernel applies the
-group-128 weight scales and per-token-group activation scales; the fp8 peers apply none.
+group-128 weight scales and the activation scales (``--x-scales``: per token and 128-channel group, powers of
+two (UE8M0, DeepSeek-V3.1's recipe; the default) or any float32, or one per tensor as W4AFP8 checkpoints' static
+input scales); the fp8 peers apply none.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ PALLAS_CONFIGS = [  # block_m, block_n, block_k, max_concurrent_steps, grid_bloc
     (64, 128, 64, 4, 1), (128, 128, 64, 4, 1), (128, 256, 64, 4, 1), (64, 256, 64, 4, 2),
     (128, 128, 64, 4, 4), (192, 128, 64, 4, 2), (128, 128, 128, 4, 1), (64, 128, 128, 6, 1),
 ]
+X_SCALES = {"ue8m0": "per token and 128-channel group, powers of two (UE8M0)",
+            "f32": "per token and 128-channel group, float32 (not powers of two)",
+            "tensor": "one per tensor"}
 FP8_PEAK = 1979e12  # dense fp8 datasheet rate of H100/H200 SXM (a floor for the plot, not a measurement)
 
 
@@ -49,7 +54,7 @@ def run(args):
     import jax
     import jax.numpy as jnp
 
-    from jax_w4a8 import _ffi, ops, tiling
+    from jax_w4a8 import _ffi, ops, quant, tiling
 
     rng = np.random.default_rng(0)
     cutlass_built = _ffi.built_with_cutlass()
@@ -76,6 +81,7 @@ def run(args):
             x = jax.random.normal(jax.random.fold_in(key, m), (m, k), jnp.bfloat16)
             x8 = x.astype(jnp.float8_e4m3fn)
             xs = jax.random.uniform(jax.random.fold_in(key, m + 1), (m, g), jnp.float32, 0.5, 1.5)
+            xs = {"ue8m0": quant.ceil_to_ue8m0(xs), "f32": xs, "tensor": jnp.asarray(0.8, jnp.float32)}[args.x_scales]
             plan = tiling.plan_grouped_gemm(m, E, n, k)
             ours = jax.jit(ops.w4a8_grouped_gemm)
             label = ("cutlass" if plan.kernel == "cutlass" else
@@ -150,7 +156,7 @@ def run(args):
             rows.append(r)
             print(fmt_row(r), flush=True)
         del w4, ws, wb, w8t, wi4
-    return dict(copy_bw=bw, copy_bw_detail=bw_detail, harness_floor_us=floor * 1e6, rows=rows,
+    return dict(copy_bw=bw, copy_bw_detail=bw_detail, harness_floor_us=floor * 1e6, rows=rows, x_scales=args.x_scales,
                 command="python benchmarks/bench_grouped_gemm.py " + " ".join(sys.argv[1:]))
 
 
@@ -247,7 +253,8 @@ def report(payload, out):
     body = (f"Measured {payload.get('date')} on {payload.get('device')} "
             f"(jax {payload.get('jax')}{C.build_note(payload)}), "
             f"`{payload.get('command', 'python benchmarks/bench_grouped_gemm.py')}`; copy bandwidth "
-            f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; `vs X` is X's time over ours (higher is better for "
+            f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; activation scales "
+            f"{X_SCALES.get(payload.get('x_scales', 'f32'), payload.get('x_scales'))}; `vs X` is X's time over ours (higher is better for "
             "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`, or `cutlass` (int4 weights "
             "converted to e4m3 once per call, then CUTLASS's grouped FP8 GEMM; the time includes the conversion); "
             "other token tiles: the same call forced to another tile (the heuristic's alternatives); other MMA: the "
@@ -298,6 +305,8 @@ def main():
                    help=f"routed rows to measure (default {MS_FULL}; --quick: {MS_QUICK}); skewed routing at "
                         f"those of {SKEWED_MS} listed")
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--x-scales", choices=sorted(X_SCALES), default="ue8m0",
+                   help="activation scales of the W4A8 calls (default ue8m0: per token group, powers of two)")
     p.add_argument("--peers", choices=["all", "fast", "none"], default="all",
                    help="fast: Pallas and torch only (XLA ragged_dot runs ~24 TFLOP/s and takes long)")
     p.add_argument("--tiles", type=int, nargs="*", default=[], choices=[8, 16, 32, 64, 128],

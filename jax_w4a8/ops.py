@@ -117,7 +117,11 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         to ``tiling.CUTLASS_WEIGHT_SCRATCH_BYTES`` of converted weights at a time).
         See :mod:`jax_w4a8.tiling`. None of these changes the result beyond float32 summation order
         (and, on the f16 MMA with float32 group scales that are not powers of two, one more rounding
-        of each activation, 2^-11 relative: the group's scale is folded into its f16 activations).
+        of each activation, 2^-11 relative: the group's scale is folded into its f16 activations; on
+        the e4m3 MMA at 128-token tiles, where every token's group scales differ by powers of two
+        (UE8M0; per-token and per-tensor scales), the scale ratios are folded into the e4m3 codes: an
+        activation they put below e4m3's smallest normal rounds to a multiple of 2^-9, moving it by
+        less than 2^-16.8 of its token's largest |x * scale|; calls with other scales run unfolded).
     Returns:
       out_dtype [M, N].
     Raises:

@@ -81,6 +81,17 @@ products and one FMA per accumulator. The heuristic:
   rows puts its tensor pipe at 67% busy with both warpgroups' MMA waits the top stall (29%), and in the
   timed loop it runs 20% slower than a single launch (2.17 vs 1.79 ms: the f16 MMA at that duty draws the
   clock down), where e4m3 loses 4% (1.91 vs 1.84).
+  The e4m3 128-token tile folds the activation scales into the e4m3 codes where each token's group scales
+  differ by powers of two (UE8M0; per-token and per-tensor scales), so that its promotion per K group is
+  one FFMA per accumulator (554 instead of 750 main-loop instructions per two groups); the scratch then also
+  holds the token multipliers, a flag and the folded codes (M K bytes), and a call whose scales cannot be
+  folded runs the unfolded kernel (``hopper_gemm.cu`` FoldTokenActivations). H200, us, gate+up / down,
+  same-day processes, main's unfolded kernel vs folded: M = 4096 UE8M0 637-645 / 419-429 vs 593-603 /
+  429-434, per tensor 624-634 / 418-424 vs 577-591 / 422-430; M = 16384 UE8M0 1870-1894 / 1171-1181 vs
+  1777-1780 / 1168, per tensor 1882-1894 / 1166-1174 vs 1685-1709 / 1129-1139; float32 group scales (not
+  folded) 631-643 / 412-419 vs 642-661 / 429-446 and 1871-1892 / 1171-1174 vs 1894-1903 / 1177-1216. At
+  16384 rows CUTLASS stays ahead (1641-1709 us gate+up, 893-910 down, same processes), so its threshold
+  stands.
 * ``tile_tokens=8`` (einsum only, at most 32 tokens; the plan's choice up to 8): the decode kernel
   (``ffi/cuda/fp8_decode_gemm.cu``): warp-level fp8 MMAs (16 weight rows x 8-token tiles) fed straight
   from global memory, the K groups split over the warps of a block and a cluster of up to 8 blocks,
@@ -163,8 +174,8 @@ class GemmPlan:
     tile_tokens: int  # 0 (simple kernel), 8 (einsum: its decode kernel; int4: the f16 MMA's 8-token tile), 16, 32,
     # 64, 128 or (block-scaled einsum) 192
     split_k: int
-    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ f16 activations with mma "f16"; + split-K
-    # piece counters and partial tiles)
+    scratch_bytes: int  # activation scales [G, H, ceil4(M)] f32 (+ f16 activations with mma "f16"; + token
+    # multipliers, flag and folded codes at e4m3 128-token tiles; + split-K piece counters and partial tiles)
     units: int  # expected units of work
     mma: str = "e4m3"  # int4 weights: "e4m3" or "f16" tensor-core operands
     kernel: str = "native"  # "native" (this library's kernels, by tile_tokens) or "cutlass"
@@ -342,6 +353,9 @@ def _with_mma(plan: GemmPlan, mma: str, m: int, k: int, f16_tiles: tuple[int, ..
     if mma == "e4m3" and plan.tile_tokens == 8:
         raise ValueError("argument 'tile_tokens'=8 runs the f16 MMA only: leave 'mma' None or pass 'f16'")
     extra = _align256(2 * m * k) if mma == "f16" else 0
+    if mma == "e4m3" and plan.tile_tokens == 128:  # folded activation scales (hopper_gemm.cuh HopperGemmFoldBytes):
+        # the token multipliers [ceil4(M)] float32 and a flag, then the folded e4m3 activations [M, K]
+        extra = _align256((-(-m // 4) * 4 + 1) * 4) + _align256(m * k)
     return dataclasses.replace(plan, mma=mma, scratch_bytes=plan.scratch_bytes + extra)
 
 

@@ -22,12 +22,17 @@ def main() -> int:
     rng = np.random.default_rng(0)
     ok = True
     w, ws = quant.quantize_w4(rng.standard_normal((3, 70, 256)).astype(np.float32))
-    x8, xs = quant.quantize_fp8_groups(rng.standard_normal((45, 256)).astype(np.float32))
+    x = rng.standard_normal((45, 256)).astype(np.float32)
+    x8, xs = quant.quantize_fp8_groups(x)
+    x8u, xsu = quant.quantize_fp8_groups(x * np.repeat([[1.0, 2.0**-5]], 128, axis=1), ue8m0=True)
     for sizes in ([10, 0, 30], [-4, 2**31 - 1, 9], [0, 0, 0]):
-        args = (x8, xs, w, ws, jnp.asarray(sizes, jnp.int32))
         # both tensor-core operand formats (f16: x converted once per call), and the f16 tiles of 8 (mma.sync),
-        # 64 (two groups in flight) and 128 tokens (one, the warpgroups taking turns)
-        for mma, tok in (("e4m3", None), ("f16", None), ("f16", 8), ("f16", 64), ("f16", 128)):
+        # 64 (two groups in flight) and 128 tokens (one, the warpgroups taking turns); e4m3 at 128 tokens with
+        # float32 scales (not folded) and power-of-two ones (folded into the codes)
+        for mma, tok, folded in (("e4m3", None, False), ("f16", None, False), ("f16", 8, False),
+                                 ("f16", 64, False), ("f16", 128, False), ("e4m3", 128, False), ("e4m3", 128, True)):
+            args = (x8u, xsu) if folded else (x8, xs)
+            args += (w, ws, jnp.asarray(sizes, jnp.int32))
             out = jax.jit(lambda *a, mma=mma, tok=tok: ops.w4a8_grouped_gemm(*a, impl="ffi", mma=mma,
                                                                                 tile_tokens=tok))(*args)
             ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3

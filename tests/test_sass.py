@@ -29,9 +29,9 @@ def _library():
 
 
 LIB = _library()
-# HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK>, mangled:
-# ...HopperGemmKernelILi16ELb1ELi1ELb1ELb0ELb0EE...
-KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])ELb([01])ELb([01])EE")
+# HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK, kFoldX>, mangled:
+# ...HopperGemmKernelILi16ELb1ELi1ELb1ELb0ELb0ELb0EE...
+KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])ELb([01])ELb([01])ELb([01])EE")
 
 
 def _tool(name):
@@ -68,7 +68,8 @@ def kernels(functions):
         if m:
             tok, int4, parts, f16, token_rows = int(m[1]), m[2] == "1", int(m[3]), m[4] == "1", m[5] == "1"
             rows = ("token rows, stream-K" if m[6] == "1" else "token rows",) if token_rows else ()
-            found[(tok, int4, parts, f16) + rows] = body
+            folded = ("folded",) if m[7] == "1" else ()
+            found[(tok, int4, parts, f16) + rows + folded] = body
     return found
 
 
@@ -77,6 +78,7 @@ def test_every_tile_configuration_is_built(kernels):
                 | {(t, False, 1, False, rows) for t in (128, 192)  # block-scaled fp8 einsum, tokens on A
                    for rows in ("token rows", "token rows, stream-K")}
                 | {(t, True, 1, False) for t in (16, 32, 64, 128)}  # int4 grouped GEMM, e4m3 MMA
+                | {(128, True, 1, False, "folded")}  # ... with the activation scales folded into the activations
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
                 | {(t, True, 1, True) for t in (8, 16, 32, 64, 128)}  # int4 grouped GEMM, f16 MMA
                 | {(t, True, 2, True) for t in (8, 16, 32, 64)})  # fused up-projection, f16 MMA
@@ -98,8 +100,9 @@ def test_einsum_decode_kernel_issues_warp_mmas(functions):
 
 
 def test_kernels_issue_mmas_in_their_operand_format(kernels):
-    for (tok, int4, parts, f16, *token_rows), body in kernels.items():
-        config = f"tile {tok}, int4 {int4}, parts {parts}, f16 {f16}, {token_rows}"
+    for (tok, int4, parts, f16, *rest), body in kernels.items():
+        token_rows = [r for r in rest if r.startswith("token rows")]
+        config = f"tile {tok}, int4 {int4}, parts {parts}, f16 {f16}, {rest}"
         if token_rows:  # tokens are the MMA's M side (64 per warpgroup), the 128 weight rows its N
             assert "QGMMA.64x128x32.F32.E4M3.E4M3" in body, config
             assert "HGMMA" not in body, config
@@ -220,6 +223,21 @@ def test_f16_loops_promote_without_token_scales(kernels):
         assert lds <= 2 * config[2] * groups, (config, lds, groups)
         ffma = sum(1 for t in loop if re.search(r"\bFFMA\b", t))
         assert ffma == config[2] * config[0] // 2 * groups, (config, ffma, groups)
+
+
+def test_folded_kernel_promotes_without_token_scales(kernels):
+    """The e4m3 128-token kernel for activation scales folded into the activations (hopper_gemm.cu
+    FoldTokenActivations): its main loop promotes with one FFMA per accumulator and the weight scale alone, no
+    token-scale loads (LDS) or products (FMUL), where the plain kernel beside it has 32 LDS and 64 FMUL more per
+    group and per thread (H200: 1.15x at 4096 and 16384 rows in a probe without them)."""
+    for config, fmul_per_group in (((128, True, 1, False, "folded"), 0), ((128, True, 1, False), 64)):
+        loop = _innermost_mma_loop(kernels[config])
+        groups = sum(1 for t in loop if re.search(r"\bQGMMA\b", t)) // 4  # 4 k32 MMAs per 128-K group
+        assert groups >= 1, config
+        assert sum(1 for t in loop if re.search(r"\bFFMA\b", t)) == 64 * groups, config
+        assert sum(1 for t in loop if re.search(r"\bFMUL\b", t)) == fmul_per_group * groups, config
+        lds = sum(1 for t in loop if re.search(r"\bLDS\b", t))
+        assert lds <= (8 if fmul_per_group == 0 else 40) * groups, (config, lds, groups)
 
 
 def _first_read_distance(loop, i, reg):

@@ -210,7 +210,7 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"),
-                                             (64, "e4m3"), (64, "f16"), (128, "f16")])
+                                             (64, "e4m3"), (64, "f16"), (128, "e4m3"), (128, "f16")])
 def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma):
     """Same inputs, 16 calls: every element of every call near float64, not just the norm.
 
@@ -247,7 +247,7 @@ def _assert_rows_close(out, ref):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (64, "f16"), (128, "f16"),
-                                             (16, "e4m3"), (32, "e4m3")])
+                                             (16, "e4m3"), (32, "e4m3"), (128, "e4m3")])
 def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
     """Group scales far apart within a token, zero, negative and NaN, on the tensor-core kernels vs float64.
 
@@ -281,7 +281,7 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (64, "f16"), (128, "f16"),
-                                             (16, "e4m3"), (32, "e4m3")])
+                                             (16, "e4m3"), (32, "e4m3"), (128, "e4m3")])
 @pytest.mark.parametrize("n, split", [(256, True), (32768, False)], ids=["split-k", "whole-k"])
 def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mma, n, split):
     """A token whose scales are all 0 gives exact zeros even where its unscaled sums overflow float32 (codes
@@ -317,6 +317,70 @@ def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mm
     ok[[3, 7, 30, 33]] = False
     assert np.isfinite(out[ok]).all()
     _assert_rows_close(out[ok], ref[ok])
+
+
+def _ue8m0_case(rng, m, k, n, sizes, spread):
+    """Activations quantized per token and 128-channel group with power-of-two (UE8M0) scales, each group's
+    values multiplied by 2^-u, u uniform in [0, spread), so that a token's scales differ by powers of two."""
+    x8, _, w, w_scale, gs = make_case(rng, m, k, n, sizes)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    x *= np.repeat(np.exp2(-rng.integers(0, spread + 1, (m, k // 128))), 128, axis=1).astype(np.float32)
+    x8, x_scale = quant.quantize_fp8_groups(x, ue8m0=True)
+    return [x8, np.array(x_scale), w, w_scale, gs]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, split", [(256, True), (8192, False)], ids=["split-k", "whole-k"])
+def test_folded_activation_scales_on_gpu(rng, device, n, split):
+    """e4m3 at 128-token tiles folds each token's power-of-two scale ratios into its e4m3 codes and multiplies
+    the token's largest scale in after the K loop (hopper_gemm.cu FoldTokenActivations); a call with any token
+    it cannot fold runs the unfolded kernel. Every row vs float64 (2e-3 of the row's largest), and against the
+    unfolded kernel (e4m3 at 64-token tiles) where folding is exact (scale spreads up to 2^-6, every group's
+    codes at least 2^-3 of its largest). Folded: UE8M0 spreads down to 2^-28 (codes into e4m3 subnormals and to
+    zero); per-token scales, one negative. Not folded (each in a call of its own): a group of zero codes under
+    a scale 2^12 above the others (folding would push the others' codes out of e4m3's range), float32 ratios
+    in one token, a zero per-token scale.
+    """
+    if device.platform != "gpu":
+        pytest.skip("tile configurations exist on the CUDA handler only")
+    m, k, sizes = 300, 512, [140, 0, 100, 60]
+    plan = tiling.plan_grouped_gemm(m, len(sizes), n, k, tile_tokens=128, mma="e4m3")
+    assert (plan.split_k > 1) == split
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=128, mma="e4m3")
+    unfolded = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=64,
+                                 mma="e4m3")
+
+    def run(args):
+        out = run_poisoned(fn, (m, n), jnp.float32, args, device)
+        assert np.isfinite(out).all()
+        _assert_rows_close(out, np_ref.grouped_gemm(*args))
+        return out
+
+    # exact folding: the same sums as the unfolded kernel, up to float32 order
+    args = _ue8m0_case(rng, m, k, n, sizes, 6)
+    x = np.asarray(args[0].astype(jnp.float32))
+    args[0] = jnp.asarray(np.where(np.abs(x) < 2.0 ** -3 * 448, np.sign(x) * 56.0, x), jnp.float8_e4m3fn)
+    out = run(args)
+    base = np.asarray(jax.jit(unfolded)(*[jax.device_put(a, device) for a in args]))
+    np.testing.assert_allclose(out, base, rtol=0, atol=2e-5 * np.abs(base).max())
+
+    spread = _ue8m0_case(rng, m, k, n, sizes, 28)
+    run(spread)
+    x = np.array(spread[0].astype(jnp.float32))
+    x[5, :128] = 0.0
+    s = spread[1].copy()
+    s[5, 0] = s[5, 1:].max() * 2.0 ** 12
+    run([jnp.asarray(x, jnp.float8_e4m3fn), jnp.asarray(s)] + spread[2:])
+    s = spread[1].copy()
+    s[130] *= rng.uniform(0.5, 1.5, s.shape[1]).astype(np.float32)
+    run([spread[0], jnp.asarray(s)] + spread[2:])
+
+    x8, _, w, w_scale, gs = make_case(rng, m, k, n, sizes, "token")
+    st = np.exp2(rng.integers(-8, 8, m)).astype(np.float32) * rng.uniform(1, 2, m).astype(np.float32)
+    st[170] *= -1.0
+    run((x8, jnp.asarray(st), w, w_scale, gs))
+    st[171] = 0.0
+    run((x8, jnp.asarray(st), w, w_scale, gs))
 
 
 @pytest.mark.gpu

@@ -22,6 +22,10 @@
 //                registers, with the next group's MMAs in flight while a group is promoted (H200,
 //                decode: 5-10% faster than the n8 wgmma, whose warpgroup waits on every group's MMAs;
 //                benchmarks/RESULTS.md).
+//   int4 e4m3 at 128-token tiles, activation scales folded (kFoldX): where every token's group scales differ
+//                by powers of two, the preparation folds their ratios into the e4m3 codes and the kernel
+//                promotes with total += sw(row, g) * partial, each token's scale applied after the K loop
+//                (FoldTokenActivations); a call it cannot fold runs the plain kernel, launched after it.
 // Block-scaled einsum at 128- and 192-token tiles (ConsumeTokenRows): the same stages, but two or three
 //                consumer warpgroups put 64 tokens each on wgmma's A side and the 128 weight rows on
 //                its N side, taking turns.
@@ -88,6 +92,13 @@ struct Layout {
   static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
   static constexpr int kRedBytes = kParts == 2 ? 8 * kTok * 4 : 0;  // per-warp token maxima (fused epilogue)
 };
+
+// fold_x calls launch the folding kernel (kFoldX) and the plain one; the preparation's flag (the int after the
+// token multipliers, see FoldTokenActivations) says which of the two runs: true for the folding one. Read
+// after the grid-dependency wait.
+__device__ __forceinline__ bool FoldedCall(const HopperGemmParams& p) {
+  return *reinterpret_cast<const volatile int*>(p.x_tok_scale + p.h * p.mp) == 0;
+}
 
 __device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
   // Four int4 codes (bits 0..15) -> four e4m3 bytes, exactly: two byte-permute lookups by the low
@@ -760,12 +771,17 @@ struct Pipeline {
 };
 
 // kStreamK (token rows only): the split_k > 1 form, with the fix-up that rounds completed units.
-template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false, bool kStreamK = false>
+// kFoldX (int4 e4m3, 128-token tiles): the activation scales folded into the activations (FoldTokenActivations).
+template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false, bool kStreamK = false,
+          bool kFoldX = false>
 __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok, kParts>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
   static_assert(!kF16 || (kInt4 && (kTok <= 64 || (kParts == 1 && kTok <= 128))),
                 "the f16 path: int4 weights, token tiles up to 64 (fused) or 128");
+  // The kernels of a fold_x call: this one (kFoldX) and the plain int4 e4m3 128-token kernel.
+  constexpr bool kFoldPair = kInt4 && !kF16 && kParts == 1 && kTok == 128 && !kTokenRows;
+  static_assert(!kFoldX || kFoldPair, "folded activation scales: int4 weights, e4m3 MMA, 128-token tiles");
   using L = Layout<kTok, kInt4, kParts, kF16>;
   constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
   constexpr bool kPanels = kTok >= 128 && !kInt4;  // unit order: see DecodeUnit
@@ -774,6 +790,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   const int stages = args.stages;
   const int64_t groups = args.groups;
   const int64_t feat_tiles = (p.f + kFeatTile - 1) / kFeatTile;
+  // The plain kernel of a fold_x call, launched as this one's programmatic dependent, may start (its blocks wait
+  // for this grid to complete before anything else; they find SMs as this grid's blocks finish).
+  if constexpr (kFoldX) sm90::LaunchDependents();
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -819,12 +838,15 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     // Launched as a programmatic dependent of the preparation kernel (activations, scales, counters): its
     // launch and this prologue ran while the preparation did.
     sm90::GridDependencyWait();
+    if constexpr (kFoldPair) {
+      if (p.fold_x && FoldedCall(p) != kFoldX) return;  // the other kernel of the pair runs this call
+    }
     ForEachLoadedGroup<kTok, kPanels, kEinsum>(p, table, total_units, feat_tiles, groups, stages,
                              [&](const Unit& t, int64_t g, int stage, uint32_t phase) {
       sm90::MbarWait(&empty[stage], phase ^ 1);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
       // The f16 path's activation scales are folded into its f16 activations (ConvertXToF16): no scale box.
-      sm90::MbarArriveExpectTx(&full[stage], L::kWBytes + L::kXBytes + (kF16 ? 0 : L::kSxBox * 4));
+      sm90::MbarArriveExpectTx(&full[stage], L::kWBytes + L::kXBytes + (kF16 || kFoldX ? 0 : L::kSxBox * 4));
 #pragma unroll
       for (int part = 0; part < kParts; ++part)
         sm90::TmaLoad3d(st + part * L::kWPartBytes, &map_w, &full[stage],
@@ -835,7 +857,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       if constexpr (kF16)  // the f16 tile's second half: K [64, 128) of the group
         sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes / 2, &map_x, &full[stage], static_cast<int>(g * kKGroup + 64),
                         t.head, static_cast<int>(t.m0));
-      if constexpr (!kF16)
+      if constexpr (!kF16 && !kFoldX)
         sm90::TmaLoad3d(st + L::kWBytes + L::kXBytes, &map_sx, &full[stage], static_cast<int>(t.m0 & ~int64_t{3}),
                         t.head, static_cast<int>(g));
     });
@@ -844,6 +866,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 
   // --------------------------------------------------------------------------------- consumers
   sm90::GridDependencyWait();  // split-K counters and zeroed rows come from the preparation kernel
+  if constexpr (kFoldPair) {
+    if (p.fold_x && FoldedCall(p) != kFoldX) return;
+  }
   sm90::SetMaxNReg<kConsumers == 3 ? 160 : Occupancy<kTok, kParts>::kConsumerRegs>();
   if constexpr (kTokenRows) {
     static_assert((kTok == 128 || kTok == 192) && !kInt4 && kParts == 1 && !kF16,
@@ -905,9 +930,10 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     // From 64-token tiles they are loaded after the loop instead (their registers are the accumulators').
     constexpr bool kEarlyTokS = kF16 && kTok <= 32;
     float tok_s[kEarlyTokS ? kTok / 4 : 1];
+    // kFoldX: the token multipliers of the folded activations (FoldTokenActivations).
     auto token_scale = [&](int j) {
       const int64_t m = t.m0 + 8 * (j / 2) + 2 * (lane % 4) + (j % 2);
-      return !t.zero && m < t.m_end ? __ldg(p.sx + t.head * p.mp + m) : 0.0f;
+      return !t.zero && m < t.m_end ? __ldg((kFoldX ? p.x_tok_scale : p.sx) + t.head * p.mp + m) : 0.0f;
     };
     if constexpr (kEarlyTokS) {
 #pragma unroll
@@ -1145,7 +1171,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           const float v = kDirect ? pre[J][part][r] : sw_copy[kDirect ? 0 : S][part][r];
           sw[part][r] = kDirect && !kInt4 ? WeightScaleFromBits(p.sw_type, v) : v;
         }
-      if constexpr (kF16) {
+      if constexpr (kF16 || kFoldX) {
         // Accumulator i is row (i / 2) % 2 (see promote below).
 #pragma unroll
         for (int part = 0; part < kParts; ++part)
@@ -1270,7 +1296,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     // after the stream-K fix-up has summed the pieces (a piece without a token's infinite-scale group sums to
     // 0, and 0 * Inf would turn the unit's +-Inf into NaN).
     auto apply_token_scales = [&] {
-      if constexpr (kF16) {
+      if constexpr (kF16 || kFoldX) {
 #pragma unroll
         for (int j = 0; j < kTok / 4; ++j) {
           const int i = 4 * (j / 2) + (j % 2);
@@ -1344,14 +1370,108 @@ __device__ __forceinline__ float GroupScaleRatio(float s, float s_max) {
   return s_max == 0.0f ? s * 0.0f : fabsf(s) == s_max ? copysignf(1.0f, s) : __fdiv_rn(s, s_max);
 }
 
+// ---- Folded activation scales (fold_x: int4 weights, e4m3 MMA, 128-token tiles) --------------------------
+// The e4m3 path promotes each K group with total += sw * sx * partial: a token-scale load and a product per
+// accumulator on top of the FFMA, a quarter of the 128-token kernel's main loop. Where each token's group scales
+// differ by powers of two only (UE8M0 codes; per-token and per-tensor scales trivially), the ratios are folded
+// into the e4m3 codes instead, x' = x * r_g with r_g = (s_g / s_max) 2^j (per-group scales), and the kernel
+// multiplies each token's ref = s_max 2^-j in after its K loop, so that its promotion is total += sw * partial
+// (as on the f16 path). j in [0, 15] lifts the token's largest |x * s| to [112, 224] ref, so that a group with a
+// large scale but small codes cannot push the other groups' codes out of e4m3's range. x * r_g is exact unless
+// it falls below e4m3's smallest normal (2^-6), where it is rounded to a multiple of 2^-9: each activation
+// moves by at most 2^-10 ref < 2^-16.8 of the token's largest |x * s|. One token that cannot be folded (ratios
+// not powers of two, as float32 group scales in general; a zero, subnormal, infinite or NaN largest scale; a
+// lift beyond 2^15) sets the call's flag, and the call runs the unfolded kernel on the caller's codes and
+// scales instead: its result is then exactly that of the unfolded kernel. The flag: the int after the token
+// multipliers [H, Mp] (cleared before the preparation).
+// An e4m3 magnitude code (7 bits) as float (0x7F, the NaN code, gives NaN).
+__device__ __forceinline__ float E4m3MagnitudeToFloat(uint32_t mag) {
+  const uint32_t h = E4m3x2ToF16x2(mag) & 0xFFFFu;
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
+}
+
+// Two f16 -> two e4m3 codes (low half -> low byte), rounded to nearest even, saturating (NaN stays NaN).
+__device__ __forceinline__ uint32_t F16x2ToE4m3x2(uint32_t v) {
+  uint16_t out;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(out) : "r"(v));
+  return out;
+}
+
+// Four e4m3 codes times r (f16x2 of a power of two or 0; the product is exact in f16 down to 2^-21, below
+// which e4m3 rounds it to 0 either way), back to e4m3.
+__device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
+  uint32_t lo = E4m3x2ToF16x2(w & 0xFFFFu), hi = E4m3x2ToF16x2(w >> 16);
+  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(lo) : "r"(r2));
+  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(r2));
+  return F16x2ToE4m3x2(lo) | (F16x2ToE4m3x2(hi) << 16);
+}
+
+// One token row and head (a warp; warp-uniform): its folded codes into xf (per-group scales) and its multiplier;
+// the call's flag set if it cannot be folded (above).
+__device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t row, int64_t head, int64_t h,
+                                     int64_t groups, int64_t mp, const uint8_t* x, uint8_t* xf, float* tok_scale,
+                                     int* flag, int lane) {
+  constexpr float kMinNormal = 1.17549435e-38f;
+  // Scales first (cheap): the largest |s|, and every nonzero |s| a power of two times it (NaN fails both tests).
+  float s_max = 0.0f;
+  for (int64_t g = lane; g < groups; g += 32) s_max = fmaxf(s_max, fabsf(ActScaleAt(src, kind, row, head, h, groups, g)));
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) s_max = fmaxf(s_max, __shfl_xor_sync(0xffffffffu, s_max, off));
+  const uint32_t mant = __float_as_uint(s_max) & 0x7FFFFFu;
+  bool fold = isfinite(s_max) && s_max >= kMinNormal;
+  for (int64_t g = lane; g < groups; g += 32) {
+    const float as = fabsf(ActScaleAt(src, kind, row, head, h, groups, g));
+    fold &= as == 0.0f || (as >= kMinNormal && (__float_as_uint(as) & 0x7FFFFFu) == mant);
+  }
+  const int64_t rh = row * h + head;
+  const uint8_t* xr = x + rh * groups * kKGroup;
+  uint8_t* yr = xf + rh * groups * kKGroup;
+  // The codes, 8 lanes per K group (16 codes each), 4 groups per pass: t = max |s_g| * max |x_g| (NaN codes
+  // skipped: they reach the output through their own products), then the lift j.
+  float t = 0.0f;
+  if (__all_sync(0xffffffffu, fold)) {
+    for (int64_t g = lane / 8; g < groups; g += 4) {
+      const uint4 v = *reinterpret_cast<const uint4*>(xr + g * kKGroup + 16 * (lane % 8));
+      uint32_t m4 = __vmaxu4(__vmaxu4(v.x & 0x7F7F7F7Fu, v.y & 0x7F7F7F7Fu), __vmaxu4(v.z & 0x7F7F7F7Fu, v.w & 0x7F7F7F7Fu));
+      m4 = __vmaxu4(m4, m4 >> 16);
+      t = fmaxf(t, fabsf(ActScaleAt(src, kind, row, head, h, groups, g)) *
+                       E4m3MagnitudeToFloat(__vmaxu4(m4, m4 >> 8) & 0xFFu));
+    }
+  } else {
+    fold = false;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, off));
+  fold = __all_sync(0xffffffffu, fold);
+  int j = 0;
+  if (fold && t > 0.0f) {
+    j = ilogbf(448.0f * s_max / t) - 1;  // 2^j <= q / 2 < 2^(j + 2), q = 448 s_max / t (>= 1): |x r| in [112, 224]
+    fold = j <= 15 && j <= ilogbf(s_max) + 126;  // r <= 2^15 (f16); ref = s_max 2^-j normal
+    j = max(j, 0);
+  }
+  if (lane == 0) {
+    tok_scale[head * mp + row] = ldexpf(s_max, -j);
+    if (!fold) *flag = 1;
+  }
+  if (!fold) return;
+  for (int64_t g = lane / 8; g < groups; g += 4) {
+    const float r = ldexpf(__fdiv_rn(ActScaleAt(src, kind, row, head, h, groups, g), s_max), j);  // 2^-149 .. 2^15, or 0
+    const uint32_t r2 = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(r))) * 0x10001u;
+    uint4 v = *reinterpret_cast<const uint4*>(xr + g * kKGroup + 16 * (lane % 8));
+    v.x = ScaleE4m3x4(v.x, r2), v.y = ScaleE4m3x4(v.y, r2), v.z = ScaleE4m3x4(v.z, r2), v.w = ScaleE4m3x4(v.w, r2);
+    *reinterpret_cast<uint4*>(yr + g * kKGroup + 16 * (lane % 8)) = v;
+  }
+}
+
 // Activation scales into the kernel's layout, and the split-K workspace cleared (n_zero floats): one
 // launch for both. The f16 MMA path (xh): the activations to f16 with each group's scale folded in
 // (ConvertXToF16), and in the scale layout's group-0 plane each token's largest scale, which the GEMM
-// applies in its epilogue (the other planes are not read there).
+// applies in its epilogue (the other planes are not read there). fold_x (tok_scale set): also the folded
+// activations (FoldTokenActivations; xf: the folded codes, per-group scales only) and the call's flag.
 __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
                                        int64_t groups, int64_t mp, float* zero, int64_t n_zero,
                                        const int32_t* group_sizes, int64_t b, void* out, bool out_bf16, int64_t f,
-                                       const uint8_t* x, uint16_t* xh) {
+                                       const uint8_t* x, uint16_t* xh, float* tok_scale, uint8_t* xf) {
   sm90::LaunchDependents();  // the GEMM's blocks may start (they wait for this grid before reading its output)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t thread = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -1370,6 +1490,19 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       const float s_max = TokenScaleMax(src, kind, row, head, h, groups, lane);
       if (in) ConvertXToF16(codes, xh, task, GroupScaleRatio(s, s_max));
       if (w % pairs == 0 && lane == 0) dst[head * mp + row] = s_max;  // the group-0 plane (rows < m are read)
+    }
+  }
+  if (tok_scale != nullptr) {
+    int* flag = reinterpret_cast<int*>(tok_scale + h * mp);
+    if (xf != nullptr) {  // per-group scales: a warp per token row and head (warp-uniform loop, as above)
+      for (int64_t w = thread / 32; w < m * h; w += stride / 32)
+        FoldTokenActivations(src, kind, w / h, w % h, h, groups, mp, x, xf, tok_scale, flag, threadIdx.x % 32);
+    } else {  // per tensor or per token: nothing to fold (the kernel reads x); the scale is the multiplier
+      for (int64_t i = thread; i < m * h; i += stride) {
+        const float s = ActScaleAt(src, kind, i / h, i % h, h, groups, 0);
+        tok_scale[(i % h) * mp + i / h] = s;
+        if (!(fabsf(s) >= 1.17549435e-38f && isfinite(s))) *flag = 1;  // 0 * Inf: the unfolded kernel
+      }
     }
   }
   for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
@@ -1451,7 +1584,8 @@ DeviceInfo CurrentDevice() {
 
 size_t TableBytes(int64_t nb) { return static_cast<size_t>(nb + 1) * 8 + static_cast<size_t>(nb) * 8; }
 
-template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows = false, bool kStreamK = false>
+template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows = false, bool kStreamK = false,
+          bool kFoldX = false>
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   using L = Layout<kTok, kInt4, kParts, kF16>;
   const int64_t nb = p.b + 1;
@@ -1472,14 +1606,16 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
     ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, p.xh, p.k, p.h, p.m, kKGroup / 2, 1, kTok,
                         CU_TENSOR_MAP_SWIZZLE_128B);  // p.xh checked by LaunchHopperGemm
   } else {
-    ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.x, p.k, p.h, p.m, kKGroup, 1, kTok,
-                        CU_TENSOR_MAP_SWIZZLE_128B);
+    // The folding kernel with per-group scales: the folded codes (per tensor or per token there is nothing to fold).
+    const bool folded_codes = kFoldX && (p.sx_kind == ActScaleKind::kGroupF32 || p.sx_kind == ActScaleKind::kGroupUe8m0);
+    ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, folded_codes ? p.x_fold : p.x, p.k, p.h, p.m, kKGroup,
+                        1, kTok, CU_TENSOR_MAP_SWIZZLE_128B);
   }
   ok = ok && Encode3d(&map_sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.sx, p.mp, p.h, p.k / kKGroup, L::kSxBox, 1, 1,
                       CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
 
-  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK>;
+  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK, kFoldX>;
   // The shared-memory opt-in once per device (to the device's limit): a host call saved on every launch.
   static std::mutex mu;
   static bool opted_in[64] = {};
@@ -1532,6 +1668,8 @@ cudaError_t LaunchF16(const HopperGemmParams& p, cudaStream_t stream, const Devi
   }
 }
 
+bool DependentLaunchEnabled();
+
 template <bool kInt4>
 cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   if constexpr (kInt4) {
@@ -1546,6 +1684,15 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
       if (!kInt4 && p.sw_row_shift == 7) {
         return p.split_k > 1 ? Launch<128, false, 1, false, true, true>(p, stream, dev)
                              : Launch<128, false, 1, false, true>(p, stream, dev);
+      }
+      if constexpr (kInt4) {
+        if (p.fold_x) {  // the folding kernel, then the plain one (the preparation's flag lets one of them run)
+          if (cudaError_t e = Launch<128, true, 1, false, false, false, true>(p, stream, dev); e != cudaSuccess)
+            return e;
+          HopperGemmParams q = p;
+          q.dependent_launch = DependentLaunchEnabled();  // a programmatic dependent of the folding kernel
+          return Launch<128, true, 1>(q, stream, dev);
+        }
       }
       return Launch<128, kInt4, 1>(p, stream, dev);
     case 192:  // block-scaled einsum only (HopperGemmSupported): three consumer warpgroups of 64 tokens
@@ -1631,11 +1778,17 @@ size_t HopperGemmF16ActivationBytes(int64_t m, int64_t h, int64_t k) {
 }
 
 size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16) {
-  return HopperGemmScratchBytes(m, 1, n, k, split_k, tile_tokens, e) + (f16 ? HopperGemmF16ActivationBytes(m, 1, k) : 0);
+  return HopperGemmScratchBytes(m, 1, n, k, split_k, tile_tokens, e) + (f16 ? HopperGemmF16ActivationBytes(m, 1, k) : 0) +
+         (W4a8FoldsActivationScales(tile_tokens, f16) ? HopperGemmFoldBytes(m, 1, k) : 0);
 }
 
 size_t W4a8MoeUpScratchNeed(int64_t m, int64_t inter, int64_t k, bool f16) {
   return HopperGemmScratchBytes(m, 1, inter, k, 1) + (f16 ? HopperGemmF16ActivationBytes(m, 1, k) : 0);
+}
+
+size_t HopperGemmFoldBytes(int64_t m, int64_t h, int64_t k) {
+  const int64_t mp = (m + 3) / 4 * 4;
+  return (static_cast<size_t>(h * mp + 1) * 4 + 255) / 256 * 256 + (static_cast<size_t>(m * h * k) + 255) / 256 * 256;
 }
 
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,
@@ -1652,6 +1805,13 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
   const bool f16_x = p.w_int4 && p.int4_f16;
   if (f16_x && p.xh == nullptr) return cudaErrorInvalidValue;
+  // fold_x: exactly the kernel that folds (HopperGemmKernel kFoldX), with its scratch.
+  const bool per_group_x = p.sx_kind == ActScaleKind::kGroupF32 || p.sx_kind == ActScaleKind::kGroupUe8m0;
+  if (p.fold_x != (p.w_int4 && !p.int4_f16 && !p.fused_up && p.tile_tokens == 128)) return cudaErrorInvalidValue;
+  if (p.fold_x && (p.x_tok_scale == nullptr || (per_group_x && p.x_fold == nullptr))) return cudaErrorInvalidValue;
+  if (p.fold_x) {  // the flag after the token multipliers: cleared, then set by the preparation where it cannot fold
+    if (cudaError_t e = cudaMemsetAsync(p.x_tok_scale + p.h * mp, 0, sizeof(int), stream); e != cudaSuccess) return e;
+  }
   if (p.w_int4 && p.sw_type == WeightScaleType::kUe8m0) return cudaErrorInvalidValue;  // see HopperGemmSupported
   // split_k > 1: the piece counters are cleared; the partial-sum slots after them need no clearing
   // (every slot a fix-up reads was written by its piece first).
@@ -1667,13 +1827,17 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const bool zero_padding = p.split_k > 1 && p.group_sizes != nullptr;
   if (n > 0 || n_zero > 0) {
     const int64_t work = std::max({n, n_zero, zero_padding ? p.m * p.f : int64_t{0},
-                                   f16_x ? p.m * p.h * (p.k / kKGroup) * 16 : int64_t{0}});
+                                   f16_x ? p.m * p.h * (p.k / kKGroup) * 16 : int64_t{0},
+                                   p.fold_x && per_group_x ? p.m * p.h * 32 : int64_t{0}});
     const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t{dev.sms} * 8));
     PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
                                                        p.split_ws, n_zero, zero_padding ? p.group_sizes : nullptr,
                                                        p.b, p.out, p.out_bf16, p.f,
                                                        static_cast<const uint8_t*>(p.x),
-                                                       f16_x ? static_cast<uint16_t*>(p.xh) : nullptr);
+                                                       f16_x ? static_cast<uint16_t*>(p.xh) : nullptr,
+                                                       p.fold_x ? p.x_tok_scale : nullptr,
+                                                       p.fold_x && per_group_x ? static_cast<uint8_t*>(p.x_fold)
+                                                                               : nullptr);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     q.dependent_launch = DependentLaunchEnabled();
   }

@@ -62,6 +62,14 @@ struct HopperGemmParams {
   const float* down_scale = nullptr;
   float* h_scale = nullptr;
   void* xh = nullptr;          // int4_f16: the f16 activations (see int4_f16)
+  // int4 weights, e4m3 MMA, 128-token tiles, unfused: the activation scales folded into the activations where
+  // they differ by powers of two (see FoldTokenActivations in hopper_gemm.cu). x_tok_scale (scratch, float32
+  // [H, Mp], then an int flag): each token's multiplier, applied after the K loop, and whether the call could
+  // not be folded (it then runs the unfolded kernel); x_fold (scratch, e4m3 [M, H, K]): the folded activations,
+  // for per-group activation scales (per tensor or per token the kernel reads x: there is nothing to fold).
+  bool fold_x = false;
+  float* x_tok_scale = nullptr;
+  void* x_fold = nullptr;
   bool dependent_launch = false;  // set by LaunchHopperGemm: the GEMM is a programmatic dependent of its preparation
 };
 
@@ -77,6 +85,13 @@ bool HopperGemmSupported(const HopperGemmParams& p, const char** why);
 
 // Bytes of the f16 activations of the int4 f16 MMA path (int4_f16), 256-byte aligned.
 size_t HopperGemmF16ActivationBytes(int64_t m, int64_t h, int64_t k);
+
+// Whether the grouped GEMM folds its activation scales (fold_x): int4 weights, e4m3 MMA, 128-token tiles.
+inline bool W4a8FoldsActivationScales(int tile_tokens, bool f16) { return tile_tokens == 128 && !f16; }
+
+// Bytes of the folded activations' scratch (fold_x): the token multipliers [H, Mp] float32 and the flag (int32),
+// then the folded e4m3 activations [M, H, K], each 256-byte aligned.
+size_t HopperGemmFoldBytes(int64_t m, int64_t h, int64_t k);
 
 // Bytes of scratch LaunchHopperGemm needs at least: the prepared activation scales and, with split_k > 1,
 // the piece counters (tile_tokens, and for the grouped GEMM its batch count, bound the number of units)

@@ -184,8 +184,12 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (!HopperGemmSupported(p, &why)) {  // e.g. not a Hopper GPU: the simple kernel is always correct
     return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
   }
-  // f16 MMA: the activations as f16 follow the scales (then the split-K region).
-  const size_t xh_bytes = p.int4_f16 ? HopperGemmF16ActivationBytes(d.m, 1, d.k) : 0;
+  // f16 MMA: the activations as f16 follow the scales; e4m3 at 128-token tiles: the token multipliers and
+  // folded activations (then the split-K region).
+  p.fold_x = W4a8FoldsActivationScales(tile_tokens, p.int4_f16);
+  const size_t xh_bytes = p.int4_f16 ? HopperGemmF16ActivationBytes(d.m, 1, d.k)
+                          : p.fold_x ? HopperGemmFoldBytes(d.m, 1, d.k)
+                                     : 0;
   const size_t need = W4a8GroupedGemmScratchNeed(d.m, d.e, d.n, d.k, tile_tokens, split_k, p.int4_f16);
   if (scratch->size_bytes() < need)
     return Invalid("w4a8_grouped_gemm", "scratch output too small for the tile plan (" +
@@ -195,7 +199,11 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   p.sx_kind = ActScaleKindOf(d.x_scale_kind);
   p.sx = reinterpret_cast<float*>(base);
   const size_t scales_bytes = HopperGemmScratchBytes(d.m, 1, d.n, d.k, 1);  // the split-K region follows them
-  if (xh_bytes) p.xh = base + scales_bytes;
+  if (p.int4_f16) p.xh = base + scales_bytes;
+  if (p.fold_x) {
+    p.x_tok_scale = reinterpret_cast<float*>(base + scales_bytes);
+    p.x_fold = base + scales_bytes + ((static_cast<size_t>(d.m + 3) / 4 * 4 + 1) * 4 + 255) / 256 * 256;  // after the flag
+  }
   p.split_ws = reinterpret_cast<float*>(base + scales_bytes + xh_bytes);
   p.split_bytes = static_cast<int64_t>(scratch->size_bytes() - scales_bytes - xh_bytes);
   const cudaError_t err = LaunchHopperGemm(p, stream);
