@@ -121,7 +121,9 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         the e4m3 MMA at 128-token tiles, where every token's group scales differ by powers of two
         (UE8M0; per-token and per-tensor scales), the scale ratios are folded into the e4m3 codes: an
         activation they put below e4m3's smallest normal rounds to a multiple of 2^-9, moving it by
-        less than 2^-16.8 of its token's largest |x * scale|; calls with other scales run unfolded).
+        less than 2^-16.8 of its token's largest |x * scale|; calls with other scales run unfolded. The
+        folded and f16 paths sum the weight-scaled products before the activation scales: weight scales
+        beyond about 1e30 could overflow float32 there where the unfolded sum would not).
     Returns:
       out_dtype [M, N].
     Raises:

@@ -337,9 +337,10 @@ def test_folded_activation_scales_on_gpu(rng, device, n, split):
     it cannot fold runs the unfolded kernel. Every row vs float64 (2e-3 of the row's largest), and against the
     unfolded kernel (e4m3 at 64-token tiles) where folding is exact (scale spreads up to 2^-6, every group's
     codes at least 2^-3 of its largest). Folded: UE8M0 spreads down to 2^-28 (codes into e4m3 subnormals and to
-    zero); per-token scales, one negative. Not folded (each in a call of its own): a group of zero codes under
-    a scale 2^12 above the others (folding would push the others' codes out of e4m3's range), float32 ratios
-    in one token, a zero per-token scale.
+    zero); a group of zero codes under a scale 2^12 above the others (the lift, j = 11, keeps the others' codes
+    in e4m3's range; without it they would round to a few subnormals); per-token scales, one negative. Not
+    folded (each in a call of its own): float32 ratios in one token, a zero per-token scale. (Which kernel ran
+    is not checked here: every assertion holds for both.)
     """
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")

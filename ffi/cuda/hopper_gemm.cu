@@ -1376,8 +1376,11 @@ __device__ __forceinline__ float GroupScaleRatio(float s, float s_max) {
 // differ by powers of two only (UE8M0 codes; per-token and per-tensor scales trivially), the ratios are folded
 // into the e4m3 codes instead, x' = x * r_g with r_g = (s_g / s_max) 2^j (per-group scales), and the kernel
 // multiplies each token's ref = s_max 2^-j in after its K loop, so that its promotion is total += sw * partial
-// (as on the f16 path). j in [0, 15] lifts the token's largest |x * s| to [112, 224] ref, so that a group with a
-// large scale but small codes cannot push the other groups' codes out of e4m3's range. x * r_g is exact unless
+// (as on the f16 path). j in [0, 15] lifts the token's largest |x * s| to at least 112 ref (to [112, 224] ref, or
+// (224, 448] where no lift is needed), so that a group with a large scale but small codes cannot push the other
+// groups' codes out of e4m3's range. Like the f16 path, the K loop then sums sw * partial before the activation
+// scales: only weight scales beyond about 1e30 (a dequantized int4 weight is q * sw) could overflow float32
+// there where the unfolded sums sw * sx * partial would not. x * r_g is exact unless
 // it falls below e4m3's smallest normal (2^-6), where it is rounded to a multiple of 2^-9: each activation
 // moves by at most 2^-10 ref < 2^-16.8 of the token's largest |x * s|. One token that cannot be folded (ratios
 // not powers of two, as float32 group scales in general; a zero, subnormal, infinite or NaN largest scale; a
