@@ -19,7 +19,8 @@ measures the same-build spread on purpose).
 
 Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused
 up-projection at 64 and 512), einsum (DeepSeek-V3 linears at 1 and 64 tokens, UE8M0 codes), prefill (grouped
-GEMM at 4096 rows, einsum 4096 x 7168 x 7168), tiny (small shapes that also run on the CPU, for tests).
+GEMM at 4096 rows with float32, UE8M0 and per-tensor activation scales, einsum 4096 x 7168 x 7168), tiny (small
+shapes that also run on the CPU, for tests).
 """
 
 from __future__ import annotations
@@ -75,7 +76,12 @@ def _cases(names):
                     out.append((f"einsum {shape} M={m}", einsum, [linear(key, m, n, k, i) for i in range(2)]))
         elif name == "prefill":
             for shape, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
-                out.append((f"{shape} M=4096", gemm, [grouped(key, 4096, 32, n, k, i) for i in range(2)]))
+                sets = [grouped(key, 4096, 32, n, k, i) for i in range(2)]
+                out.append((f"{shape} M=4096", gemm, sets))
+                # activation scales the e4m3 128-token kernel folds into the codes: UE8M0, one per tensor
+                out.append((f"{shape} M=4096 ue8m0", gemm, [(a, quant.ceil_to_ue8m0(s), *r) for a, s, *r in sets]))
+                out.append((f"{shape} M=4096 tensor", gemm,
+                            [(a, jnp.asarray(0.8, jnp.float32), *r) for a, s, *r in sets]))
             out.append(("einsum square M=4096", einsum, [linear(key, 4096, 7168, 7168, i) for i in range(2)]))
         elif name == "tiny":
             out.append(("tiny grouped M=16", gemm, [grouped(key, 16, 2, 256, 256, i) for i in range(2)]))
