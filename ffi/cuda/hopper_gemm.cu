@@ -1789,9 +1789,13 @@ size_t W4a8MoeUpScratchNeed(int64_t m, int64_t inter, int64_t k, bool f16) {
   return HopperGemmScratchBytes(m, 1, inter, k, 1) + (f16 ? HopperGemmF16ActivationBytes(m, 1, k) : 0);
 }
 
-size_t HopperGemmFoldBytes(int64_t m, int64_t h, int64_t k) {
+size_t HopperGemmFoldTokenBytes(int64_t m, int64_t h) {
   const int64_t mp = (m + 3) / 4 * 4;
-  return (static_cast<size_t>(h * mp + 1) * 4 + 255) / 256 * 256 + (static_cast<size_t>(m * h * k) + 255) / 256 * 256;
+  return (static_cast<size_t>(h * mp + 1) * 4 + 255) / 256 * 256;
+}
+
+size_t HopperGemmFoldBytes(int64_t m, int64_t h, int64_t k) {
+  return HopperGemmFoldTokenBytes(m, h) + (static_cast<size_t>(m * h * k) + 255) / 256 * 256;
 }
 
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,

@@ -89,8 +89,9 @@ size_t HopperGemmF16ActivationBytes(int64_t m, int64_t h, int64_t k);
 // Whether the grouped GEMM folds its activation scales (fold_x): int4 weights, e4m3 MMA, 128-token tiles.
 inline bool W4a8FoldsActivationScales(int tile_tokens, bool f16) { return tile_tokens == 128 && !f16; }
 
-// Bytes of the folded activations' scratch (fold_x): the token multipliers [H, Mp] float32 and the flag (int32),
-// then the folded e4m3 activations [M, H, K], each 256-byte aligned.
+// Bytes of the folded activations' scratch (fold_x): the token multipliers [H, Mp] float32 and the flag (int32)
+// (HopperGemmFoldTokenBytes), then the folded e4m3 activations [M, H, K], each 256-byte aligned.
+size_t HopperGemmFoldTokenBytes(int64_t m, int64_t h);
 size_t HopperGemmFoldBytes(int64_t m, int64_t h, int64_t k);
 
 // Bytes of scratch LaunchHopperGemm needs at least: the prepared activation scales and, with split_k > 1,

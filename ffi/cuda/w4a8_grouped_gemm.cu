@@ -202,7 +202,7 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (p.int4_f16) p.xh = base + scales_bytes;
   if (p.fold_x) {
     p.x_tok_scale = reinterpret_cast<float*>(base + scales_bytes);
-    p.x_fold = base + scales_bytes + ((static_cast<size_t>(d.m + 3) / 4 * 4 + 1) * 4 + 255) / 256 * 256;  // after the flag
+    p.x_fold = base + scales_bytes + HopperGemmFoldTokenBytes(d.m, 1);  // after the multipliers and the flag
   }
   p.split_ws = reinterpret_cast<float*>(base + scales_bytes + xh_bytes);
   p.split_bytes = static_cast<int64_t>(scratch->size_bytes() - scales_bytes - xh_bytes);
