@@ -329,6 +329,23 @@ def _ue8m0_case(rng, m, k, n, sizes, spread):
     return [x8, np.array(x_scale), w, w_scale, gs]
 
 
+def _fold_flag(args, device):
+    """Whether the e4m3 128-token call on ``args`` ran unfolded (1) or folded (0): the int the preparation sets
+    (hopper_gemm.cu FoldTokenActivations), after the scale planes and the token multipliers in the scratch."""
+    x8, x_scale, w, w_scale, gs = [jax.device_put(jnp.asarray(a), device) for a in args]
+    (m, k), (e, n, _) = x8.shape, w.shape
+    plan = tiling.plan_grouped_gemm(m, e, n, k, tile_tokens=128, mma="e4m3")
+    call = jax.ffi.ffi_call(ops.TARGETS["w4a8_grouped_gemm"],
+                            (jax.ShapeDtypeStruct((m, n), jnp.float32),
+                             jax.ShapeDtypeStruct((plan.scratch_bytes,), jnp.uint8)))
+    _, scratch = jax.jit(lambda *a: call(*a, tile_tokens=np.int32(128), split_k=np.int32(plan.split_k),
+                                         mma=np.int32(0), kernel=np.int32(0), experts_per_chunk=np.int32(0)))(
+        x8, x_scale, w, w_scale, gs)
+    mp = -(-m // 4) * 4
+    at = -(-(k // 128 * mp * 4) // 256) * 256 + mp * 4
+    return int(np.asarray(scratch)[at:at + 4].view(np.int32)[0])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, split", [(256, True), (8192, False)], ids=["split-k", "whole-k"])
 def test_folded_activation_scales_on_gpu(rng, device, n, split):
@@ -339,8 +356,8 @@ def test_folded_activation_scales_on_gpu(rng, device, n, split):
     codes at least 2^-3 of its largest). Folded: UE8M0 spreads down to 2^-28 (codes into e4m3 subnormals and to
     zero); a group of zero codes under a scale 2^12 above the others (the lift, j = 11, keeps the others' codes
     in e4m3's range; without it they would round to a few subnormals); per-token scales, one negative. Not
-    folded (each in a call of its own): float32 ratios in one token, a zero per-token scale. (Which kernel ran
-    is not checked here: every assertion holds for both.)
+    folded (each in a call of its own): float32 ratios in one token, a zero per-token scale. Which kernel ran
+    is read from the scratch's flag; padding rows past the routed ones (with zero scales) are not checked.
     """
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
@@ -351,10 +368,11 @@ def test_folded_activation_scales_on_gpu(rng, device, n, split):
     unfolded = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=64,
                                  mma="e4m3")
 
-    def run(args):
+    def run(args, folded=True):
         out = run_poisoned(fn, (m, n), jnp.float32, args, device)
         assert np.isfinite(out).all()
         _assert_rows_close(out, np_ref.grouped_gemm(*args))
+        assert _fold_flag(args, device) == (0 if folded else 1)
         return out
 
     # exact folding: the same sums as the unfolded kernel, up to float32 order
@@ -374,14 +392,25 @@ def test_folded_activation_scales_on_gpu(rng, device, n, split):
     run([jnp.asarray(x, jnp.float8_e4m3fn), jnp.asarray(s)] + spread[2:])
     s = spread[1].copy()
     s[130] *= rng.uniform(0.5, 1.5, s.shape[1]).astype(np.float32)
+    run([spread[0], jnp.asarray(s)] + spread[2:], folded=False)
+    s = spread[1].copy()
+    s[40] = 0.0  # a token with all scales 0: folded (its codes to 0)
     run([spread[0], jnp.asarray(s)] + spread[2:])
+    padded = list(spread)
+    padded[4] = jnp.asarray([140, 0, 100, 40], jnp.int32)  # 20 padding rows, their scales 0 and float32
+    s = spread[1].copy()
+    s[285:] = 0.0
+    s[281:285] *= rng.uniform(0.5, 1.5, (4, s.shape[1])).astype(np.float32)
+    padded[1] = jnp.asarray(s)
+    out = run(padded)
+    assert (out[280:] == 0).all()
 
     x8, _, w, w_scale, gs = make_case(rng, m, k, n, sizes, "token")
     st = np.exp2(rng.integers(-8, 8, m)).astype(np.float32) * rng.uniform(1, 2, m).astype(np.float32)
     st[170] *= -1.0
     run((x8, jnp.asarray(st), w, w_scale, gs))
     st[171] = 0.0
-    run((x8, jnp.asarray(st), w, w_scale, gs))
+    run((x8, jnp.asarray(st), w, w_scale, gs), folded=False)
 
 
 @pytest.mark.gpu

@@ -1421,7 +1421,7 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) s_max = fmaxf(s_max, __shfl_xor_sync(0xffffffffu, s_max, off));
   const uint32_t mant = __float_as_uint(s_max) & 0x7FFFFFu;
-  bool fold = isfinite(s_max) && s_max >= kMinNormal;
+  bool fold = isfinite(s_max) && (s_max == 0.0f || s_max >= kMinNormal);  // all-zero scales: r = 0, exact
   for (int64_t g = lane; g < groups; g += 32) {
     const float as = fabsf(ActScaleAt(src, kind, row, head, h, groups, g));
     fold &= as == 0.0f || (as >= kMinNormal && (__float_as_uint(as) & 0x7FFFFFu) == mant);
@@ -1448,9 +1448,14 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
   fold = __all_sync(0xffffffffu, fold);
   int j = 0;
   if (fold && t > 0.0f) {
-    j = ilogbf(448.0f * s_max / t) - 1;  // 2^j <= q / 2 < 2^(j + 2), q = 448 s_max / t (>= 1): |x r| in [112, 224]
-    fold = j <= 15 && j <= ilogbf(s_max) + 126;  // r <= 2^15 (f16); ref = s_max 2^-j normal
-    j = max(j, 0);
+    const float q = 448.0f * (s_max / t);  // >= 1 up to rounding; t or q beyond float32's range: not folded
+    if (t <= 3.40282347e38f && q <= 3.40282347e38f) {
+      j = ilogbf(q) - 1;  // 2^j <= q / 2 < 2^(j + 2): |x r| in [112, 224]
+      fold = j <= 15 && j <= ilogbf(s_max) + 126;  // r <= 2^15 (f16); ref = s_max 2^-j normal
+      j = max(j, 0);
+    } else {
+      fold = false;
+    }
   }
   if (lane == 0) {
     tok_scale[head * mp + row] = ldexpf(s_max, -j);
@@ -1458,7 +1463,8 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
   }
   if (!fold) return;
   for (int64_t g = lane / 8; g < groups; g += 4) {
-    const float r = ldexpf(__fdiv_rn(ActScaleAt(src, kind, row, head, h, groups, g), s_max), j);  // 2^-149 .. 2^15, or 0
+    const float s = ActScaleAt(src, kind, row, head, h, groups, g);
+    const float r = s_max > 0.0f ? ldexpf(__fdiv_rn(s, s_max), j) : 0.0f;  // 2^-149 .. 2^15, or 0
     const uint32_t r2 = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(r))) * 0x10001u;
     uint4 v = *reinterpret_cast<const uint4*>(xr + g * kKGroup + 16 * (lane % 8));
     v.x = ScaleE4m3x4(v.x, r2), v.y = ScaleE4m3x4(v.y, r2), v.z = ScaleE4m3x4(v.z, r2), v.w = ScaleE4m3x4(v.w, r2);
@@ -1474,7 +1480,8 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
 __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
                                        int64_t groups, int64_t mp, float* zero, int64_t n_zero,
                                        const int32_t* group_sizes, int64_t b, void* out, bool out_bf16, int64_t f,
-                                       const uint8_t* x, uint16_t* xh, float* tok_scale, uint8_t* xf) {
+                                       const uint8_t* x, uint16_t* xh, float* tok_scale, uint8_t* xf,
+                                       bool zero_pad) {
   sm90::LaunchDependents();  // the GEMM's blocks may start (they wait for this grid before reading its output)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t thread = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
@@ -1495,25 +1502,12 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       if (w % pairs == 0 && lane == 0) dst[head * mp + row] = s_max;  // the group-0 plane (rows < m are read)
     }
   }
-  if (tok_scale != nullptr) {
-    int* flag = reinterpret_cast<int*>(tok_scale + h * mp);
-    if (xf != nullptr) {  // per-group scales: a warp per token row and head (warp-uniform loop, as above)
-      for (int64_t w = thread / 32; w < m * h; w += stride / 32)
-        FoldTokenActivations(src, kind, w / h, w % h, h, groups, mp, x, xf, tok_scale, flag, threadIdx.x % 32);
-    } else {  // per tensor or per token: nothing to fold (the kernel reads x); the scale is the multiplier
-      for (int64_t i = thread; i < m * h; i += stride) {
-        const float s = ActScaleAt(src, kind, i / h, i % h, h, groups, 0);
-        tok_scale[(i % h) * mp + i / h] = s;
-        if (!(fabsf(s) >= 1.17549435e-38f && isfinite(s))) *flag = 1;  // 0 * Inf: the unfolded kernel
-      }
-    }
-  }
-  for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
+  // The grouped GEMM's rows past the last expert (group_sizes given): never read by the GEMM, so fold_x does
+  // not check them, and under split-K their output rows are zeroed here (the GEMM's units cover the experts'
+  // rows only, so that padding takes no share of the stream-K iterations: under expert parallelism most rows
+  // are padding).
+  __shared__ int64_t pad_start;
   if (group_sizes != nullptr) {
-    // Grouped GEMM under split-K: the output rows past the last expert are zeroed here (the GEMM's
-    // units cover the experts' rows only, so that padding takes no share of the stream-K iterations:
-    // under expert parallelism most rows are padding).
-    __shared__ int64_t pad_start;
     if (threadIdx.x < 32) {
       int64_t rows = 0;  // each size clamped to [0, m], as the unit table does
       for (int64_t i = threadIdx.x; i < b; i += 32) rows += NextGroupEnd(0, group_sizes[i], m);
@@ -1522,6 +1516,23 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       if (threadIdx.x == 0) pad_start = rows < m ? rows : m;
     }
     __syncthreads();
+  }
+  const int64_t rows_used = group_sizes != nullptr ? pad_start : m;
+  if (tok_scale != nullptr) {
+    int* flag = reinterpret_cast<int*>(tok_scale + h * mp);
+    if (xf != nullptr) {  // per-group scales: a warp per token row and head (warp-uniform loop, as above)
+      for (int64_t w = thread / 32; w < rows_used * h; w += stride / 32)
+        FoldTokenActivations(src, kind, w / h, w % h, h, groups, mp, x, xf, tok_scale, flag, threadIdx.x % 32);
+    } else {  // per tensor or per token: nothing to fold (the kernel reads x); the scale is the multiplier
+      for (int64_t i = thread; i < rows_used * h; i += stride) {
+        const float s = ActScaleAt(src, kind, i / h, i % h, h, groups, 0);
+        tok_scale[(i % h) * mp + i / h] = s;
+        if (!(fabsf(s) >= 1.17549435e-38f && isfinite(s))) *flag = 1;  // 0 * Inf: the unfolded kernel
+      }
+    }
+  }
+  for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
+  if (zero_pad) {
     for (int64_t i = pad_start * f + thread; i < m * f; i += stride) {
       if (out_bf16) static_cast<uint16_t*>(out)[i] = 0;
       else static_cast<float*>(out)[i] = 0.0f;
@@ -1838,13 +1849,15 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
                                    p.fold_x && per_group_x ? p.m * p.h * 32 : int64_t{0}});
     const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t{dev.sms} * 8));
     PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
-                                                       p.split_ws, n_zero, zero_padding ? p.group_sizes : nullptr,
+                                                       p.split_ws, n_zero,
+                                                       zero_padding || p.fold_x ? p.group_sizes : nullptr,
                                                        p.b, p.out, p.out_bf16, p.f,
                                                        static_cast<const uint8_t*>(p.x),
                                                        f16_x ? static_cast<uint16_t*>(p.xh) : nullptr,
                                                        p.fold_x ? p.x_tok_scale : nullptr,
                                                        p.fold_x && per_group_x ? static_cast<uint8_t*>(p.x_fold)
-                                                                               : nullptr);
+                                                                               : nullptr,
+                                                       zero_padding);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     q.dependent_launch = DependentLaunchEnabled();
   }
