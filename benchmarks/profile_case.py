@@ -13,8 +13,10 @@ Cases: decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 ker
 (MLA absorb_o, 128 heads, b = 1), kv_a1 / kv_a64 (576 x 7168 at one / 64 tokens), square64 (einsum N = K = 7168
 at 64 tokens: the 64-token kernel under stream-K), square4096 (einsum M = N = K = 7168 /
 4096 tokens: the 192-token kernel), prefill4k_e4m3 / prefill4k_f16 / prefill16k_e4m3 / prefill16k_f16 (grouped
-gate+up at M = 4096 / 16384 on the 128-token kernel, e4m3 or f16 MMA). Each runs twice (the first call compiles), so `--launch-skip 1` takes
-the second launch.
+gate+up at M = 4096 / 16384 on the 128-token kernel, e4m3 or f16 MMA), down4k_e4m3 (the down projection at M = 4096
+on the same kernel), prefill4k_fold / down4k_fold (the same two with UE8M0 activation scales: the folding e4m3
+kernel, launched with the plain one, which exits: take `--launch-skip 2`). Each runs twice (the first call
+compiles), so `--launch-skip 1` takes the second launch.
 """
 
 import argparse
@@ -26,11 +28,12 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jax_w4a8 import ops  # noqa: E402
+from jax_w4a8 import ops, quant  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
 CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "absorb_o1", "kv_a1", "kv_a64",
-         "square64", "square4096", "prefill4k_e4m3", "prefill4k_f16", "prefill16k_e4m3", "prefill16k_f16")
+         "square64", "square4096", "prefill4k_e4m3", "prefill4k_f16", "prefill16k_e4m3", "prefill16k_f16",
+         "down4k_e4m3", "prefill4k_fold", "down4k_fold")
 
 
 def _einsum_case(key, eq, x_shape, w_shape):
@@ -52,6 +55,11 @@ def build(case, key):
         return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 512, 7168, 2048, 0)
     if case in ("fused64", "fused512"):  # the fused up-projection on the gate+up weights (I = 2048)
         return jax.jit(ops.w4a8_moe_up), _grouped_case(key, 64 if case == "fused64" else 512, 4096, 7168, 0)
+    if case in ("down4k_e4m3", "prefill4k_fold", "down4k_fold"):  # 128-token e4m3 kernel; fold: UE8M0 scales
+        f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=128, mma="e4m3")
+        x, xs, w, ws, gs = _grouped_case(key, 4096, 4096 if case.startswith("prefill") else 7168,
+                                         7168 if case.startswith("prefill") else 2048, 0)
+        return jax.jit(f), (x, quant.ceil_to_ue8m0(xs) if case.endswith("fold") else xs, w, ws, gs)
     if case.startswith("prefill"):  # this library's 128-token grouped kernel (gate+up), either MMA format
         m = 4096 if case.startswith("prefill4k") else 16384
         f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=128, mma=case.rsplit("_", 1)[1])

@@ -186,7 +186,8 @@ def test_e8m0fnu_dtype_scales_decode_exactly():
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens", [0, 16, 32, 64, 128])
 @pytest.mark.parametrize("shape", [(1, 1, 576, 1024, "block"), (130, 1, 200, 384, "row"), (64, 16, 256, 512, "block"),
-                                   (700, 1, 1536, 256, "block"), (5, 4, 128, 4096, "row")])
+                                   (700, 1, 1536, 256, "block"), (5, 4, 128, 4096, "row"),
+                                   (37, 2, 201, 256, "row")])
 def test_every_tile_config_on_gpu(rng, device, tile_tokens, shape):
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
