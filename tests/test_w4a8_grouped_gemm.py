@@ -209,6 +209,24 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n", [131, 136, 1000])
+def test_128_token_epilogues_every_element_on_gpu(rng, device, n):
+    """The 128-token e4m3 kernel writes bf16 rows through shared memory and one bulk copy per token row when N
+    is a multiple of 8 (136: a partial feature tile of 8; 1000: of 104), element by element otherwise (131):
+    every element of the routed rows near float64, the padding rows zero, nothing left unwritten (NaN poison)."""
+    if device.platform != "gpu":
+        pytest.skip("tile configurations exist on the CUDA handler only")
+    m, k, sizes = 320, 256, [250, 0, 30, 20]  # rows 300.. are padding; experts end inside token tiles
+    args = make_case(rng, m, k, n, sizes)
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=128, mma="e4m3")
+    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
+    ref = np_ref.grouped_gemm(*args)
+    bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)
+    assert (np.abs(out[:300] - ref[:300]) <= bound[:300]).all()
+    assert (out[300:] == 0).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"),
                                              (64, "e4m3"), (64, "f16"), (128, "e4m3"), (128, "f16")])
 def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma):

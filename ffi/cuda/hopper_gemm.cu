@@ -91,6 +91,12 @@ struct Layout {
   static constexpr int kSxBytes = (kSxBox * 4 + 127) / 128 * 128;
   static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
   static constexpr int kRedBytes = kParts == 2 ? 8 * kTok * 4 : 0;  // per-warp token maxima (fused epilogue)
+  // The 128-token int4 e4m3 kernels' output staging (bf16 out, F a multiple of 8): per consumer warpgroup its
+  // 64 features of each token row, 128 bytes padded to 144 (stmatrix rows 16 bytes apart in the banks), written
+  // to global memory by one bulk copy per row.
+  static constexpr bool kBulkStore = kInt4 && !kF16 && kParts == 1 && kTok == 128;
+  static constexpr int kStoreRow = 144;
+  static constexpr int kStoreBytes = kBulkStore ? 2 * kTok * kStoreRow : 0;
 };
 
 // fold_x calls launch the folding kernel (kFoldX) and the plain one; the preparation's flag (the int after the
@@ -796,7 +802,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 
   extern __shared__ __align__(1024) uint8_t smem_raw[];
   uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + static_cast<size_t>(stages) * L::kStageBytes);
+  uint8_t* staging = smem + static_cast<size_t>(stages) * L::kStageBytes;  // L::kStoreBytes
+  uint64_t* full = reinterpret_cast<uint64_t*>(staging + L::kStoreBytes);
   uint64_t* empty = full + stages;
   // A third mbarrier per stage, unused since the f16 path's activations are converted before the kernel;
   // kept so that the shared-memory layout (and the SASS) of every other kernel stays as measured.
@@ -913,6 +920,10 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 #pragma unroll
   for (int part = 0; part < kParts; ++part)
     desc_w0[part] = sm90::DescSw128(smem + part * L::kWPartBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
+  // The bulk-copy epilogue (L::kBulkStore): bf16 output whose rows are 16-byte aligned, whole units only.
+  const bool bulk = L::kBulkStore && p.out_bf16 && p.f % 8 == 0 && p.split_k == 1 &&
+                    (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  bool bulk_pending = false;  // this thread has bulk copies in flight
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, kPanels, kEinsum>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
@@ -1328,8 +1339,49 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           !StreamKFixUp<kEinsum>(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane, total[0]))
         continue;
       apply_token_scales();
+      if constexpr (L::kBulkStore) {
+        if (bulk) {
+          // Bulk-copy epilogue: this warpgroup's 64 x kTok tile as bf16 into its staging rows (stmatrix,
+          // transposed to token rows), then one bulk copy per token row of the unit. The staging is reused by
+          // the next unit once this unit's copies have read it (the threads that issued them wait; the
+          // barrier passes that on).
+          const uint32_t sbase = sm90::SmemAddr(staging) + static_cast<uint32_t>(cw * kTok * L::kStoreRow);
+          if (bulk_pending) sm90::BulkWaitRead<0>();
+          sm90::NamedBarrierSync(3 + cw, 128);
+          // Matrix q of instruction s: token block b = 2 s + q / 2 (tokens 8 b ..), feature half q % 2 of the
+          // warp's 16; lane 8 q + k gives the address of token row 8 b + k.
+          const int q = lane / 8, k = lane % 8;
+          const uint32_t row_addr = sbase + static_cast<uint32_t>((8 * (q / 2) + k) * L::kStoreRow +
+                                                                  (warp * 16 + 8 * (q % 2)) * 2);
+#pragma unroll
+          for (int s = 0; s < kTok / 16; ++s) {
+            uint32_t r[4];
+#pragma unroll
+            for (int qq = 0; qq < 4; ++qq) {
+              const int i = 4 * (2 * s + qq / 2) + 2 * (qq % 2);
+              r[qq] = sm90::PackBf16x2(total[0][i], total[0][i + 1]);
+            }
+            sm90::StMatrixX4Trans(row_addr + static_cast<uint32_t>(s * 16 * L::kStoreRow), r);
+          }
+          sm90::FenceProxyAsyncShared();  // the stmatrix writes before the bulk copies' (async-proxy) reads
+          sm90::NamedBarrierSync(3 + cw, 128);
+          const int64_t f_wg = t.f0 + cw * 64;
+          const int64_t m = t.m0 + tid;
+          const int64_t feats = min(int64_t{64}, p.f - f_wg);
+          if (m < t.m_end && feats > 0) {
+            sm90::BulkStore(static_cast<uint16_t*>(p.out) + (m * p.h + t.head) * p.f + f_wg,
+                            sbase + static_cast<uint32_t>(tid * L::kStoreRow), static_cast<uint32_t>(feats * 2));
+            sm90::BulkCommit();
+            bulk_pending = true;
+          }
+          continue;
+        }
+      }
       for_each_element([&](int i, int64_t idx) { StoreRounded(p, idx, total[0][i]); });
     }
+  }
+  if constexpr (L::kBulkStore) {
+    if (bulk_pending) sm90::BulkWait<0>();  // the copies done before the block's shared memory goes
   }
   // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
   if constexpr (ordered) {
@@ -1603,7 +1655,7 @@ template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows =
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
   using L = Layout<kTok, kInt4, kParts, kF16>;
   const int64_t nb = p.b + 1;
-  const size_t fixed = 1024 + TableBytes(nb) + 16 + L::kRedBytes;
+  const size_t fixed = 1024 + TableBytes(nb) + 16 + L::kRedBytes + L::kStoreBytes;
   constexpr int kBlocks = Occupancy<kTok, kParts>::kBlocksPerSm;
   const size_t budget = std::min(kSmemBudget / kBlocks - (kBlocks - 1) * 2048, dev.smem_optin);
   int stages = static_cast<int>((budget - fixed - 24 * 8) / (L::kStageBytes + 24));  // + 3 mbarriers

@@ -104,6 +104,36 @@ __device__ __forceinline__ void FenceProxyAsyncShared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
 
+// stmatrix m8n8.x4.trans: four 8 x 8 b16 matrices from the mma fragment layout (this thread: row lane / 4,
+// columns 2 (lane % 4) and + 1 of matrix q in r[q]), each stored transposed: its row k (the fragment's
+// column k) at the address given by lane 8 q + k, 16 bytes.
+__device__ __forceinline__ void StMatrixX4Trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+// Two floats -> bf16x2 (round to nearest even), lo in the low half.
+__device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+// Bulk copy shared -> global (bytes a multiple of 16, both addresses 16-byte aligned), in this thread's bulk group.
+__device__ __forceinline__ void BulkStore(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// This thread's bulk groups: all but N have read their shared memory (.read) / are complete.
+template <int N>
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void BulkWait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // GPU-scope release and acquire fences (not __threadfence(), a sequentially consistent fence:
 // MEMBAR.SC.GPU plus an L1 invalidation in every lane). Release is MEMBAR.ALL.GPU in SASS, acquire
 // an L1 invalidation. After a warp or block barrier a release also covers the writes the other
