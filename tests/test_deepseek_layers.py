@@ -425,7 +425,9 @@ def test_fake_quant_fp8_groups(rng):
         want = np_fake_quant_fp8(x, ue8m0)
         same = np.isclose(got, want, rtol=1e-6, atol=1e-7)
         assert same.sum() >= same.size - 1, np.nonzero(~same)   # (see the reciprocal note above)
-        np.testing.assert_allclose(got, want, rtol=0.07)         # at most one neighbouring e4m3 code
+        # that one a neighbouring e4m3 code: neighbours are up to 1/8 of the smaller apart (at a binade's start);
+        # rtol 0.07 failed on a pair 10% apart (5.01 vs 5.57, numpy seed 430862208)
+        np.testing.assert_allclose(got, want, rtol=0.126)
 
 
 def test_linear_ue8m0_passes_codes_without_host_check():
