@@ -64,9 +64,6 @@ def run(args):
     print(f"timing harness floor {floor * 1e6:.1f} us per call (adaptive n)", flush=True)
     torch_ok = C.have_torch() and not args.no_torch
     ms = args.ms or (MS_QUICK if args.quick else MS_FULL)
-    # Every Pallas tile configuration, --quick too: its first two alone put Pallas fp8 1.6x behind its best at
-    # prefill (gate+up M = 4096: 758 vs 469 us on the H200), which flattered every ratio to it.
-    configs = PALLAS_CONFIGS
     rows = []
     key = jax.random.key(0)
     for shape, (n, k) in SHAPES.items():
@@ -116,7 +113,9 @@ def run(args):
                 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as pm
                 for dtype_name, lhs, rhs_sets, tr in (("pallas_bf16", x, wb, False), ("pallas_fp8", x8, w8t, True)):
                     best = float("inf")
-                    for cfg in configs:
+                    # Every Pallas tile configuration, --quick too: its first two alone put Pallas fp8 1.6x behind its best
+                    # at prefill (gate+up M = 4096: 758 vs 469 us on the H200), which flattered every ratio to it.
+                    for cfg in PALLAS_CONFIGS:
                         bm, bn, bk, steps, gbn = cfg
                         if n % (bn * gbn) or k % bk:
                             continue
