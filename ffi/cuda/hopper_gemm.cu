@@ -1341,13 +1341,13 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       apply_token_scales();
       if constexpr (L::kBulkStore) {
         if (bulk) {
-          // Bulk-copy epilogue: this warpgroup's 64 x kTok tile as bf16 into its staging rows (stmatrix,
-          // transposed to token rows), then one bulk copy per token row of the unit. The staging is reused by
-          // the next unit once this unit's copies have read it (the threads that issued them wait; the
-          // barrier passes that on).
+          // Staged epilogue: this warpgroup's 64 x kTok tile as bf16 into its staging rows (stmatrix, transposed
+          // to token rows), then read back in 16-byte chunks, eight threads per token row, and stored with
+          // 16-byte st.global (each warp instruction: four whole 128-byte rows). No TMA: the per-row bulk copies
+          // this replaces took ~22k cycles per unit to drain through the SM's TMA unit (H200 trace, down
+          // M = 4096), and tensor-map stores were slower still.
           const uint32_t sbase = sm90::SmemAddr(staging) + static_cast<uint32_t>(cw * kTok * L::kStoreRow);
-          if (bulk_pending) sm90::BulkWaitRead<0>();
-          sm90::NamedBarrierSync(3 + cw, 128);
+          sm90::NamedBarrierSync(3 + cw, 128);  // the previous unit's reads of the staging are done
           // Matrix q of instruction s: token block b = 2 s + q / 2 (tokens 8 b ..), feature half q % 2 of the
           // warp's 16; lane 8 q + k gives the address of token row 8 b + k.
           const int q = lane / 8, k = lane % 8;
@@ -1363,16 +1363,18 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
             }
             sm90::StMatrixX4Trans(row_addr + static_cast<uint32_t>(s * 16 * L::kStoreRow), r);
           }
-          sm90::FenceProxyAsyncShared();  // the stmatrix writes before the bulk copies' (async-proxy) reads
           sm90::NamedBarrierSync(3 + cw, 128);
-          const int64_t f_wg = t.f0 + cw * 64;
-          const int64_t m = t.m0 + tid;
-          const int64_t feats = min(int64_t{64}, p.f - f_wg);
-          if (m < t.m_end && feats > 0) {
-            sm90::BulkStore(static_cast<uint16_t*>(p.out) + (m * p.h + t.head) * p.f + f_wg,
-                            sbase + static_cast<uint32_t>(tid * L::kStoreRow), static_cast<uint32_t>(feats * 2));
-            sm90::BulkCommit();
-            bulk_pending = true;
+          // Chunk c of token rows tid / 8 + 16 it: features f_wg + 8 c .. + 7, inside F or wholly past it (F % 8
+          // == 0). A quarter warp reads one 128-byte row: no bank conflicts.
+          const int c = tid % 8;
+          const int64_t f = t.f0 + cw * 64 + 8 * c;
+#pragma unroll
+          for (int it = 0; it < kTok / 16; ++it) {
+            const int r = tid / 8 + 16 * it;
+            const uint4 v = sm90::LdShared128(sbase + static_cast<uint32_t>(r * L::kStoreRow + 16 * c));
+            const int64_t m = t.m0 + r;
+            if (m < t.m_end && f < p.f)
+              *reinterpret_cast<uint4*>(static_cast<uint16_t*>(p.out) + (m * p.h + t.head) * p.f + f) = v;
           }
           continue;
         }
