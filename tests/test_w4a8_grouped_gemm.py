@@ -210,16 +210,18 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [131, 136, 1000])
-def test_128_token_epilogues_every_element_on_gpu(rng, device, n):
-    """The 128-token e4m3 kernel writes bf16 rows through shared memory and one bulk copy per token row when N
-    is a multiple of 8 (136: a partial feature tile of 8; 1000: of 104), element by element otherwise (131):
-    every element of the routed rows near float64, the padding rows zero, nothing left unwritten (NaN poison)."""
+@pytest.mark.parametrize("tile_tokens, mma", [(16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"), (64, "e4m3"),
+                                             (64, "f16"), (128, "e4m3"), (128, "f16")])
+def test_staged_and_element_epilogues_every_element_on_gpu(rng, device, n, tile_tokens, mma):
+    """The wgmma kernels write bf16 tiles through shared memory and 16-byte row stores when N is a multiple of 8
+    (136: a partial feature tile of 8; 1000: of 104), element by element otherwise (131): every element of the
+    routed rows near float64, the padding rows zero, nothing left unwritten (NaN poison)."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     # rows 300.. are padding; experts end inside token tiles: units of 128, 122, 30, 15 and 5 rows
     m, k, sizes = 320, 256, [250, 0, 30, 15, 5]
     args = make_case(rng, m, k, n, sizes)
-    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=128, mma="e4m3")
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=tile_tokens, mma=mma)
     out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
     ref = np_ref.grouped_gemm(*args)
     bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)
@@ -229,7 +231,8 @@ def test_128_token_epilogues_every_element_on_gpu(rng, device, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes", ["random", "whole-units"])
-def test_128_token_epilogue_many_units_per_block_on_gpu(rng, device, sizes):
+@pytest.mark.parametrize("tile_tokens, mma", [(16, "f16"), (32, "e4m3"), (64, "f16"), (128, "e4m3")])
+def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_tokens, mma):
     """Hundreds of units over 132 resident blocks: each warpgroup's staging rows are rewritten while the previous
     unit's bulk copies may still read them (wait_group.read, then the warpgroup's barrier). Random group sizes
     (most units partial) or 128-row groups (whole units); every element near float64, the padding rows zero."""
@@ -241,7 +244,7 @@ def test_128_token_epilogue_many_units_per_block_on_gpu(rng, device, sizes):
     else:
         groups = [128] * 31 + [m - 40 - 31 * 128]
     args = make_case(rng, m, k, n, groups)
-    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=128, mma="e4m3")
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=tile_tokens, mma=mma)
     out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
     ref = np_ref.grouped_gemm(*args)
     bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)

@@ -91,10 +91,10 @@ struct Layout {
   static constexpr int kSxBytes = (kSxBox * 4 + 127) / 128 * 128;
   static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
   static constexpr int kRedBytes = kParts == 2 ? 8 * kTok * 4 : 0;  // per-warp token maxima (fused epilogue)
-  // The 128-token int4 e4m3 kernels' output staging (bf16 out, F a multiple of 8): per consumer warpgroup its
-  // 64 features of each token row, 128 bytes padded to 144 (stmatrix rows 16 bytes apart in the banks), written
-  // to global memory by one bulk copy per row.
-  static constexpr bool kBulkStore = kInt4 && !kF16 && kParts == 1 && kTok == 128;
+  // The int4 wgmma kernels' output staging (bf16 out, F a multiple of 8): per consumer warpgroup its 64 features
+  // of each token row, 128 bytes padded to 144 (stmatrix rows 16 bytes apart in the banks), read back in 16-byte
+  // chunks for whole-row global stores. Not the 8-token tiles (mma.sync) nor the fused ones.
+  static constexpr bool kBulkStore = kInt4 && kParts == 1 && kTok >= 16;
   static constexpr int kStoreRow = 144;
   static constexpr int kStoreBytes = kBulkStore ? 2 * kTok * kStoreRow : 0;
 };
