@@ -23,11 +23,16 @@ def f64(a):
     return a.astype(np.float64)
 
 
-def grouped_gemm(x, x_scale, w, w_scale, group_sizes):
-    """out[m, n] = sum_g sa * sw * sum_k x * q, float64; rows by clamped group sizes."""
+def grouped_gemm(x, x_scale, w, w_scale, group_sizes, absolute=False):
+    """out[m, n] = sum_g sa * sw * sum_k x * q, float64; rows by clamped group sizes. absolute: the same sum of
+    |terms| (the scale of float32 / reduced-precision summation errors)."""
+    if absolute:
+        x, x_scale, w_scale = np.abs(f64(x)), np.abs(f64(x_scale)), np.abs(f64(w_scale))
     x = f64(x)
     m, k = x.shape
     q = unpack_int4(w).astype(np.float64)
+    if absolute:
+        q = np.abs(q)
     e, n, _ = q.shape
     g = k // 128
     sa = f64(x_scale)

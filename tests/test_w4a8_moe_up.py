@@ -75,6 +75,35 @@ def test_fused_kernel_every_tile(rng, device, tile_tokens, mma, static):
         check(h8, scale, args, covered=273)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens, mma", [(16, "f16"), (32, "e4m3"), (64, "f16")])
+@pytest.mark.parametrize("static", [False, True])
+def test_fused_kernel_many_units_per_block(rng, device, tile_tokens, mma, static):
+    """Hundreds of units over the resident blocks, every code of the routed rows checked: within half an e4m3
+    step of float64's h (plus half a subnormal step) and the summation error the kernel's float32 / f16-operand
+    sums can make, bounded through h = silu(g) u by 2^-12 of the |terms| sums of g and u; the padding rows zero.
+    A code from another unit or a stale one would be off by a sizeable part of its token's group maximum."""
+    if device.platform != "gpu":
+        pytest.skip("the fused kernel is CUDA only")
+    m, k, inter = 4096, 256, 1024
+    sizes = list(rng.multinomial(m - 40, np.full(32, 1 / 32)))  # 40 padding rows
+    args = make_case(rng, m, k, 2 * inter, sizes)
+    h = np_moe_up(args)
+    s = np.float32(np.abs(h).max() / 448) if static else None  # static: one per-tensor scale, nothing saturates
+    f = jax.jit(functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=tile_tokens, mma=mma))
+    h8, scale = f(*[jax.device_put(a, device) for a in args])
+    check(h8, scale, args, s, covered=m - 40)
+    y, a = np_ref.grouped_gemm(*args), np_ref.grouped_gemm(*args, absolute=True)
+    g, u, ag, au = y[:, :inter], y[:, inter:], a[:, :inter], a[:, inter:]
+    sig = 0.5 * (1.0 + np.tanh(0.5 * g))  # sigmoid without overflow
+    dh = 2.0**-12 * (np.abs(sig * (1.0 + g * (1.0 - sig)) * u) * ag + np.abs(g * sig) * au)
+    sc = np.float64(s) if static else np.repeat(np.asarray(scale, np.float64), 128, axis=1)
+    got = np.asarray(h8).astype(np.float64) * sc
+    bound = 0.0625 * np.abs(h) + 2.0**-10 * sc + 1.0625 * dh  # (the half step of the kernel's h, not h)
+    bad = (np.abs(got - h) > bound)[: m - 40]
+    assert not bad.any(), f"{bad.sum()} codes off, rows {sorted(set(np.nonzero(bad)[0].tolist()))[:8]}"
+
+
 def test_bad_inputs(rng):
     args = make_case(rng, 8, 128, 256, [8])
     with pytest.raises(ValueError, match="'w13'"):
