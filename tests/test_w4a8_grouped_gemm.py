@@ -233,9 +233,9 @@ def test_staged_and_element_epilogues_every_element_on_gpu(rng, device, n, tile_
 @pytest.mark.parametrize("sizes", ["random", "whole-units"])
 @pytest.mark.parametrize("tile_tokens, mma", [(16, "f16"), (32, "e4m3"), (64, "f16"), (128, "e4m3")])
 def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_tokens, mma):
-    """Hundreds of units over 132 resident blocks: each warpgroup's staging rows are rewritten while the previous
-    unit's bulk copies may still read them (wait_group.read, then the warpgroup's barrier). Random group sizes
-    (most units partial) or 128-row groups (whole units); every element near float64, the padding rows zero."""
+    """Hundreds of units over the resident blocks: each warpgroup's staging rows are rewritten once every thread
+    has read the previous unit's back (the warpgroup's barrier). Random group sizes (most units partial) or
+    128-row groups (whole units); every element near float64, the padding rows zero."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     m, k, n = 4096, 256, 1024

@@ -920,10 +920,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 #pragma unroll
   for (int part = 0; part < kParts; ++part)
     desc_w0[part] = sm90::DescSw128(smem + part * L::kWPartBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
-  // The bulk-copy epilogue (L::kBulkStore): bf16 output whose rows are 16-byte aligned, whole units only.
+  // The staged epilogue (L::kBulkStore): bf16 output whose rows are 16-byte aligned, whole units only.
   const bool bulk = L::kBulkStore && p.out_bf16 && p.f % 8 == 0 && p.split_k == 1 &&
                     (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
-  bool bulk_pending = false;  // this thread has bulk copies in flight
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, kPanels, kEinsum>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
@@ -1381,9 +1380,6 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       }
       for_each_element([&](int i, int64_t idx) { StoreRounded(p, idx, total[0][i]); });
     }
-  }
-  if constexpr (L::kBulkStore) {
-    if (bulk_pending) sm90::BulkWait<0>();  // the copies done before the block's shared memory goes
   }
   // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
   if constexpr (ordered) {
