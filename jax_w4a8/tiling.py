@@ -90,8 +90,12 @@ products and one FMA per accumulator. The heuristic:
   429-434, per tensor 624-634 / 418-424 vs 577-591 / 422-430; M = 16384 UE8M0 1870-1894 / 1171-1181 vs
   1777-1780 / 1168, per tensor 1882-1894 / 1166-1174 vs 1685-1709 / 1129-1139; float32 group scales (not
   folded) 631-643 / 412-419 vs 642-661 / 429-446 and 1871-1892 / 1171-1174 vs 1894-1903 / 1177-1216. At
-  16384 rows CUTLASS stays ahead (1641-1709 us gate+up, 893-910 down, same processes), so its threshold
-  stands.
+  16384 rows CUTLASS stayed ahead then (1641-1709 us gate+up, 893-910 down, same processes).
+  The 64-feature tiles' bf16 output goes through shared memory (stmatrix) and 16-byte row stores, eight
+  threads per token row; each token's multiplier is loaded before the K loop (one register) and read back
+  from the staging row's padding (loaded after the loop, it cost ~2900 cycles per unit, 11%). H200, us,
+  M = 4096 UE8M0 gate+up / down: row bulk copies and late multipliers 563-573 / 367-369, 16-byte stores
+  551-554 / 349-352, both 546 / 326-333.
 * ``tile_tokens=8`` (einsum only, at most 32 tokens; the plan's choice up to 8): the decode kernel
   (``ffi/cuda/fp8_decode_gemm.cu``): warp-level fp8 MMAs (16 weight rows x 8-token tiles) fed straight
   from global memory, the K groups split over the warps of a block and a cluster of up to 8 blocks,
@@ -126,11 +130,11 @@ products and one FMA per accumulator. The heuristic:
   speed), then CUTLASS 4.2's Hopper grouped FP8 GEMM with per-row scales on both sides runs every expert in
   one persistent launch (128 x 128 x 128 tiles, problem sizes and pointers written on the device from
   ``group_sizes``). The conversion costs a fixed ~370 us for 32 experts of gate+up (4096 x 7168) and reads
-  twice the weight bytes back, so it pays only where the GEMM is long: from 384 expected rows per expert,
-  or 256 when K <= 2048. H200, same process, 32 experts, this library's kernel / CUTLASS time, M = 4096 /
-  6144 / 8192 / 12288 / 16384 (rows per expert M / 32): gate+up 0.72 / 0.89 / 0.93 / 1.04 / 1.10 (skewed
-  routing at 8192 / 16384: 0.93 / 1.11); down (K 2048) 0.86 / 0.98 / 1.04 / 1.28 / 1.31 (skewed 1.06 /
-  1.22). The converted weights live in the call's scratch, ``CUTLASS_WEIGHT_SCRATCH_BYTES`` (1 GiB) at a
+  twice the weight bytes back, so it pays only where the GEMM is long: from 576 expected rows per expert.
+  H200, same process, 32 experts, UE8M0 activation scales, this library's kernel / CUTLASS time, M = 8192 /
+  16384 / 20480 / 24576 / 32768 (rows per expert M / 32): gate+up 0.81 / 0.96 / 1.04 / 1.04 / 1.09; down
+  (K 2048) 0.79 / 0.98 / 1.04 / 1.08 / 1.15 (before the staged epilogue the crossover was at 384 rows for
+  gate+up, 256 for down). The converted weights live in the call's scratch, ``CUTLASS_WEIGHT_SCRATCH_BYTES`` (1 GiB) at a
   time: more experts than fit run in chunks of a conversion and a GEMM each.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
@@ -242,9 +246,9 @@ def _busy_experts(m: int, e: int) -> float:
 
 MMAS = ("e4m3", "f16")  # tensor-core operand formats for int4 weights (index = the FFI attribute)
 GROUPED_KERNELS = ("native", "cutlass")  # index = the grouped GEMM handler's `kernel` attribute
-# The grouped GEMM plan takes CUTLASS from this many expected rows per expert: 256 for K <= 2048 (where this
-# library's kernel has few K groups per tile to spread its fixed costs over), else 384 (H200: see docstring).
-CUTLASS_GROUPED_MIN_ROWS = {2048: 256, None: 384}
+# The grouped GEMM plan takes CUTLASS from this many expected rows per expert, by K bound (None: any K); 576 for
+# gate+up and down alike (H200: see docstring).
+CUTLASS_GROUPED_MIN_ROWS = {None: 576}
 CUTLASS_WEIGHT_SCRATCH_BYTES = 1 << 30  # e4m3 weights converted per chunk of experts (at least one expert)
 _MAX_CHUNK_EXPERTS = 65535  # the conversion kernels put a chunk's experts on the grid's y axis
 _ARRAY_BYTES_PER_EXPERT = 256  # w4a8_grouped_cutlass.cuh kW4a8CutlassArrayBytesPerExpert

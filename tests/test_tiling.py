@@ -247,38 +247,39 @@ def test_einsum_decode_kernel_plan():
 
 def test_grouped_gemm_plans_cutlass_from_its_row_threshold():
     plan = functools.partial(tiling.plan_grouped_gemm, num_sms=SMS, cutlass=True)
-    # gate+up (K 7168): from 384 expected rows per expert; down (K 2048): from 256 (H200 sweep, tiling docstring)
-    assert plan(12288, 32, 4096, 7168).kernel == "cutlass"
-    assert plan(12287, 32, 4096, 7168).kernel == "native"
-    assert plan(8192, 32, 7168, 2048).kernel == "cutlass"
-    assert plan(8191, 32, 7168, 2048).kernel == "native"
-    assert plan(64, 32, 4096, 7168, rows_per_expert=400).kernel == "cutlass"  # the hint decides, not M / E
-    p = plan(16384, 32, 4096, 7168)
+    # gate+up (K 7168) and down (K 2048): from 576 expected rows per expert (H200 sweep, tiling docstring)
+    assert plan(18432, 32, 4096, 7168).kernel == "cutlass"
+    assert plan(18431, 32, 4096, 7168).kernel == "native"
+    assert plan(18432, 32, 7168, 2048).kernel == "cutlass"
+    assert plan(18431, 32, 7168, 2048).kernel == "native"
+    assert plan(16384, 32, 4096, 7168).kernel == "native"  # 512 rows per expert: this library's kernel is faster
+    assert plan(64, 32, 4096, 7168, rows_per_expert=600).kernel == "cutlass"  # the hint decides, not M / E
+    p = plan(32768, 32, 4096, 7168)
     assert (p.tile_tokens, p.split_k, p.experts_per_chunk) == (128, 1, 32)  # 32 x 29.4 MB of e4m3 fit in 1 GiB
-    assert p.scratch_bytes == tiling.grouped_cutlass_scratch(16384, 32, 4096, 7168, 32)
+    assert p.scratch_bytes == tiling.grouped_cutlass_scratch(32768, 32, 4096, 7168, 32)
     # 256 experts of gate+up: chunks of 36 experts (1 GiB / 29.4 MB)
-    assert plan(8 * 16384, 256, 4096, 7168).experts_per_chunk == 36
+    assert plan(8 * 32768, 256, 4096, 7168).experts_per_chunk == 36
     # a chunk's experts sit on the conversion grid's y axis: at most 65535 per chunk
-    assert plan(70000 * 256, 70000, 8, 128).experts_per_chunk == 65535
+    assert plan(70000 * 640, 70000, 8, 128).experts_per_chunk == 65535
     # the scratch: e4m3 weights, float32 weight and activation scales, 256 B per expert, 1 MiB of workspace
     g = 7168 // 128
-    assert tiling.grouped_cutlass_scratch(16384, 32, 4096, 7168, 32) == (
-        32 * 4096 * 7168 + 32 * 4096 * g * 4 + 16384 * g * 4 + 32 * 256 + (1 << 20))
+    assert tiling.grouped_cutlass_scratch(32768, 32, 4096, 7168, 32) == (
+        32 * 4096 * 7168 + 32 * 4096 * g * 4 + 32768 * g * 4 + 32 * 256 + (1 << 20))
     # what it cannot run stays native by default and is a named error when forced
     for kw, why in ((dict(out_bf16=False), "bfloat16"), (dict(cutlass=False), "without CUTLASS")):
         args = dict(num_sms=SMS, cutlass=True) | kw
-        assert tiling.plan_grouped_gemm(16384, 32, 4096, 7168, **args).kernel == "native"
+        assert tiling.plan_grouped_gemm(32768, 32, 4096, 7168, **args).kernel == "native"
         with pytest.raises(ValueError, match=f"'kernel'='cutlass'.*{why}"):
-            tiling.plan_grouped_gemm(16384, 32, 4096, 7168, kernel="cutlass", **args)
-    assert plan(16384, 32, 4092, 7168).kernel == "native"  # N not a multiple of 8
+            tiling.plan_grouped_gemm(32768, 32, 4096, 7168, kernel="cutlass", **args)
+    assert plan(32768, 32, 4092, 7168).kernel == "native"  # N not a multiple of 8
     # forcing this library's kernels keeps them
-    assert plan(16384, 32, 4096, 7168, kernel="native").kernel == "native"
-    assert plan(16384, 32, 4096, 7168, tile_tokens=64).kernel == "native"
+    assert plan(32768, 32, 4096, 7168, kernel="native").kernel == "native"
+    assert plan(32768, 32, 4096, 7168, tile_tokens=64).kernel == "native"
     assert plan(1, 32, 4096, 7168, kernel="cutlass").kernel == "cutlass"
     with pytest.raises(ValueError, match="'kernel'"):
-        plan(16384, 32, 4096, 7168, kernel="cublas")
+        plan(32768, 32, 4096, 7168, kernel="cublas")
     with pytest.raises(ValueError, match="'tile_tokens'"):
-        plan(16384, 32, 4096, 7168, kernel="cutlass", tile_tokens=128)
+        plan(32768, 32, 4096, 7168, kernel="cutlass", tile_tokens=128)
 
 
 def _cuda_module():

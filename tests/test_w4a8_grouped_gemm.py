@@ -212,15 +212,18 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
 @pytest.mark.parametrize("n", [131, 136, 1000])
 @pytest.mark.parametrize("tile_tokens, mma", [(16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"), (64, "e4m3"),
                                              (64, "f16"), (128, "e4m3"), (128, "f16")])
-def test_staged_and_element_epilogues_every_element_on_gpu(rng, device, n, tile_tokens, mma):
+@pytest.mark.parametrize("scale_kind", ["group", "token"])
+def test_staged_and_element_epilogues_every_element_on_gpu(rng, device, n, tile_tokens, mma, scale_kind):
     """The wgmma kernels write bf16 tiles through shared memory and 16-byte row stores when N is a multiple of 8
     (136: a partial feature tile of 8; 1000: of 104), element by element otherwise (131): every element of the
-    routed rows near float64, the padding rows zero, nothing left unwritten (NaN poison)."""
+    routed rows near float64, the padding rows zero, nothing left unwritten (NaN poison). Per-token activation
+    scales: the 128-token e4m3 kernel folds them and, like the f16 kernels, multiplies each token's in at the
+    epilogue (the staged one reads them from its staging rows)."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     # rows 300.. are padding; experts end inside token tiles: units of 128, 122, 30, 15 and 5 rows
     m, k, sizes = 320, 256, [250, 0, 30, 15, 5]
-    args = make_case(rng, m, k, n, sizes)
+    args = make_case(rng, m, k, n, sizes, scale_kind)
     fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=tile_tokens, mma=mma)
     out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
     ref = np_ref.grouped_gemm(*args)
@@ -231,11 +234,13 @@ def test_staged_and_element_epilogues_every_element_on_gpu(rng, device, n, tile_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("sizes", ["random", "whole-units"])
-@pytest.mark.parametrize("tile_tokens, mma", [(16, "f16"), (32, "e4m3"), (64, "f16"), (128, "e4m3")])
-def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_tokens, mma):
+@pytest.mark.parametrize("tile_tokens, mma", [(16, "f16"), (32, "e4m3"), (64, "f16"), (128, "e4m3"), (128, "f16")])
+@pytest.mark.parametrize("scale_kind", ["group", "token"])
+def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_tokens, mma, scale_kind):
     """Hundreds of units over the resident blocks: each warpgroup's staging rows are rewritten once every thread
     has read the previous unit's back (the warpgroup's barrier). Random group sizes (most units partial) or
-    128-row groups (whole units); every element near float64, the padding rows zero."""
+    128-row groups (whole units); every element near float64, the padding rows zero. Per-token scales (folded
+    at 128 e4m3 tokens) or per-group: the token multipliers go through the staging rows' padding."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     m, k, n = 4096, 256, 1024
@@ -243,7 +248,7 @@ def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_to
         groups = list(rng.multinomial(m - 40, np.full(32, 1 / 32)))  # 40 padding rows
     else:
         groups = [128] * 31 + [m - 40 - 31 * 128]
-    args = make_case(rng, m, k, n, groups)
+    args = make_case(rng, m, k, n, groups, scale_kind)
     fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=tile_tokens, mma=mma)
     out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
     ref = np_ref.grouped_gemm(*args)
@@ -551,12 +556,12 @@ def test_prefill_plan_takes_cutlass_on_gpu(rng, device):
     group sizes change without recompiling."""
     _need_cutlass_gpu(device)
     from jax_w4a8 import tiling
-    m, k, n, e = 1024, 512, 256, 4
+    m, k, n, e = 2560, 512, 256, 4
     assert tiling.plan_grouped_gemm(m, e, n, k).kernel == "cutlass"
-    args = list(make_case(rng, m, k, n, [256] * e))
+    args = list(make_case(rng, m, k, n, [640] * e))
     args = [jax.device_put(a, device) for a in args]
     f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, impl="ffi"))
-    for sizes in ([256] * e, [1024, 0, 0, 0], [0, 1000, 3, 0]):
+    for sizes in ([640] * e, [2560, 0, 0, 0], [0, 2500, 3, 0]):
         args[4] = jax.device_put(jnp.asarray(sizes, jnp.int32), device)
         check(args, np.asarray(f(*args).astype(jnp.float32)), jnp.bfloat16)
     assert f._cache_size() == 1

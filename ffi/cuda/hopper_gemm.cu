@@ -949,6 +949,17 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 #pragma unroll
       for (int j = 0; j < kTok / 4; ++j) tok_s[j] = token_scale(j);
     }
+    // The staged epilogue's token multipliers (larger tiles): thread tid loads token tid's here, one register
+    // under the K loop, and puts it in the padding of its staging row after the loop, where the epilogue reads
+    // them. Loaded after the loop instead, the kTok / 4 loads took ~2900 cycles per unit (H200 trace, 128-token
+    // folded e4m3 kernel, down M = 4096: 11% of its time).
+    constexpr bool kStagedTokS = L::kBulkStore && (kF16 || kFoldX) && !kEarlyTokS;
+    float staged_tok_s = 0.0f;
+    if constexpr (kStagedTokS) {
+      const int64_t m = t.m0 + tid;
+      if (bulk && tid < kTok && !t.zero && m < t.m_end)
+        staged_tok_s = __ldg((kFoldX ? p.x_tok_scale : p.sx) + t.head * p.mp + m);
+    }
     // Weight scales of rows row0 and row0 + 8: pre[j] holds those of the groups g_begin + j, + 2, + 4, ...,
     // loaded one and a half to two groups before they are needed, so that the global-load latency hides
     // behind MMAs and promotions (one group ahead stalled every other group). kDirect (the
@@ -1337,7 +1348,6 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       if (p.split_k > 1 && !(t.g0 == 0 && t.g1 == groups) &&
           !StreamKFixUp<kEinsum>(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane, total[0]))
         continue;
-      apply_token_scales();
       if constexpr (L::kBulkStore) {
         if (bulk) {
           // Staged epilogue: this warpgroup's 64 x kTok tile as bf16 into its staging rows (stmatrix, transposed
@@ -1346,7 +1356,26 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           // this replaces took ~22k cycles per unit to drain through the SM's TMA unit (H200 trace, down
           // M = 4096), and tensor-map stores were slower still.
           const uint32_t sbase = sm90::SmemAddr(staging) + static_cast<uint32_t>(cw * kTok * L::kStoreRow);
+          // Token r's multiplier at byte 128 of staging row r (past its 64 bf16 features, which neither
+          // stmatrix nor the read-back touch). The previous unit read them before its second barrier.
+          constexpr uint32_t kTokSOffset = 128;
+          if constexpr (kStagedTokS) {
+            if (tid < kTok)
+              sm90::StShared32(sbase + static_cast<uint32_t>(tid * L::kStoreRow) + kTokSOffset,
+                               __float_as_uint(staged_tok_s));
+          }
           sm90::NamedBarrierSync(3 + cw, 128);  // the previous unit's reads of the staging are done
+          if constexpr (kStagedTokS) {
+#pragma unroll
+            for (int j = 0; j < kTok / 4; ++j) {
+              const int i = 4 * (j / 2) + (j % 2);
+              const int r = 8 * (j / 2) + 2 * (lane % 4) + (j % 2);  // token_scale(j)'s row
+              const float s = sm90::LdSharedF32(sbase + static_cast<uint32_t>(r * L::kStoreRow) + kTokSOffset);
+              total[0][i] *= s, total[0][i + 2] *= s;
+            }
+          } else {
+            apply_token_scales();
+          }
           // Matrix q of instruction s: token block b = 2 s + q / 2 (tokens 8 b ..), feature half q % 2 of the
           // warp's 16; lane 8 q + k gives the address of token row 8 b + k.
           const int q = lane / 8, k = lane % 8;
@@ -1378,6 +1407,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           continue;
         }
       }
+      apply_token_scales();
       for_each_element([&](int i, int64_t idx) { StoreRounded(p, idx, total[0][i]); });
     }
   }
