@@ -208,6 +208,18 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
     _check_scenario_on_gpu(rng, device, scenario, tile_tokens=tile_tokens)
 
 
+def _check_128_token_bf16(rng, device, m, k, n, sizes, routed):
+    """The 128-token e4m3 kernel, bf16 output (NaN-poisoned): every element of the first ``routed`` rows within
+    8e-3 of its float64 value plus 2e-3 of its row's largest, the rows after them zero."""
+    args = make_case(rng, m, k, n, sizes)
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=128, mma="e4m3")
+    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
+    ref = np_ref.grouped_gemm(*args)
+    bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)
+    assert (np.abs(out[:routed] - ref[:routed]) <= bound[:routed]).all()
+    assert (out[routed:] == 0).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [131, 136, 1000])
 def test_128_token_epilogues_every_element_on_gpu(rng, device, n):
@@ -217,14 +229,7 @@ def test_128_token_epilogues_every_element_on_gpu(rng, device, n):
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     # rows 300.. are padding; experts end inside token tiles: units of 128, 122, 30, 15 and 5 rows
-    m, k, sizes = 320, 256, [250, 0, 30, 15, 5]
-    args = make_case(rng, m, k, n, sizes)
-    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=128, mma="e4m3")
-    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
-    ref = np_ref.grouped_gemm(*args)
-    bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)
-    assert (np.abs(out[:300] - ref[:300]) <= bound[:300]).all()
-    assert (out[300:] == 0).all()
+    _check_128_token_bf16(rng, device, 320, 256, n, [250, 0, 30, 15, 5], routed=300)
 
 
 @pytest.mark.gpu
@@ -235,18 +240,12 @@ def test_128_token_epilogue_many_units_per_block_on_gpu(rng, device, sizes):
     (most units partial) or 128-row groups (whole units); every element near float64, the padding rows zero."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
-    m, k, n = 4096, 256, 1024
+    m = 4096
     if sizes == "random":
         groups = list(rng.multinomial(m - 40, np.full(32, 1 / 32)))  # 40 padding rows
     else:
         groups = [128] * 31 + [m - 40 - 31 * 128]
-    args = make_case(rng, m, k, n, groups)
-    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=128, mma="e4m3")
-    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
-    ref = np_ref.grouped_gemm(*args)
-    bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)
-    assert (np.abs(out[:m - 40] - ref[:m - 40]) <= bound[:m - 40]).all()
-    assert (out[m - 40:] == 0).all()
+    _check_128_token_bf16(rng, device, m, 256, 1024, groups, routed=m - 40)
 
 
 @pytest.mark.gpu
