@@ -208,6 +208,18 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
     _check_scenario_on_gpu(rng, device, scenario, tile_tokens=tile_tokens)
 
 
+def _check_bf16_every_element(rng, device, m, k, n, sizes, routed, tile_tokens, mma, scale_kind):
+    """One tile and MMA format, bf16 output (NaN-poisoned): every element of the first ``routed`` rows within
+    8e-3 of its float64 value plus 2e-3 of its row's largest, the rows after them zero."""
+    args = make_case(rng, m, k, n, sizes, scale_kind)
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=tile_tokens, mma=mma)
+    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
+    ref = np_ref.grouped_gemm(*args)
+    bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)
+    assert (np.abs(out[:routed] - ref[:routed]) <= bound[:routed]).all()
+    assert (out[routed:] == 0).all()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [131, 136, 1000])
 @pytest.mark.parametrize("tile_tokens, mma", [(16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"), (64, "e4m3"),
@@ -222,14 +234,7 @@ def test_staged_and_element_epilogues_every_element_on_gpu(rng, device, n, tile_
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     # rows 300.. are padding; experts end inside token tiles: units of 128, 122, 30, 15 and 5 rows
-    m, k, sizes = 320, 256, [250, 0, 30, 15, 5]
-    args = make_case(rng, m, k, n, sizes, scale_kind)
-    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=tile_tokens, mma=mma)
-    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
-    ref = np_ref.grouped_gemm(*args)
-    bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)
-    assert (np.abs(out[:300] - ref[:300]) <= bound[:300]).all()
-    assert (out[300:] == 0).all()
+    _check_bf16_every_element(rng, device, 320, 256, n, [250, 0, 30, 15, 5], 300, tile_tokens, mma, scale_kind)
 
 
 @pytest.mark.gpu
@@ -243,18 +248,12 @@ def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_to
     at 128 e4m3 tokens) or per-group: the token multipliers go through the staging rows' padding."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
-    m, k, n = 4096, 256, 1024
+    m = 4096
     if sizes == "random":
         groups = list(rng.multinomial(m - 40, np.full(32, 1 / 32)))  # 40 padding rows
     else:
         groups = [128] * 31 + [m - 40 - 31 * 128]
-    args = make_case(rng, m, k, n, groups, scale_kind)
-    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", tile_tokens=tile_tokens, mma=mma)
-    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
-    ref = np_ref.grouped_gemm(*args)
-    bound = 8e-3 * np.abs(ref) + 2e-3 * np.abs(ref).max(axis=1, keepdims=True)
-    assert (np.abs(out[:m - 40] - ref[:m - 40]) <= bound[:m - 40]).all()
-    assert (out[m - 40:] == 0).all()
+    _check_bf16_every_element(rng, device, m, 256, 1024, groups, m - 40, tile_tokens, mma, scale_kind)
 
 
 @pytest.mark.gpu
