@@ -38,15 +38,18 @@ def main() -> int:
             ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3
             covered = min(sum(max(v, 0) for v in sizes), 45)
             ok &= bool((np.asarray(out.astype(jnp.float32))[covered:] == 0).all())  # padding rows: zero
-    # the 128-token e4m3 kernels' bulk-copy epilogue (N a multiple of 8): whole and partial units, a feature tile
-    # past F's first 64-feature half; plain and folded
+    # the wgmma kernels' staged epilogue (N a multiple of 8; token multipliers through the staging rows' padding
+    # at 128-token e4m3 folded and 64 / 128-token f16 tiles): whole and partial units, a feature tile past F's
+    # first 64-feature half; e4m3 plain and folded
     wb, wsb = quant.quantize_w4(rng.standard_normal((3, 136, 256)).astype(np.float32))
     xb = rng.standard_normal((300, 256)).astype(np.float32)
-    for xb8, xbs in (quant.quantize_fp8_groups(xb), quant.quantize_fp8_groups(xb, ue8m0=True)):
-        args = (xb8, xbs, wb, wsb, jnp.asarray([150, 5, 140], jnp.int32))
-        out = jax.jit(lambda *a: ops.w4a8_grouped_gemm(*a, impl="ffi", mma="e4m3", tile_tokens=128))(*args)
-        ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3
-        ok &= bool((np.asarray(out.astype(jnp.float32))[295:] == 0).all())
+    for mma, tok in (("e4m3", 128), ("f16", 64), ("f16", 128)):
+        for xb8, xbs in (quant.quantize_fp8_groups(xb), quant.quantize_fp8_groups(xb, ue8m0=True)):
+            args = (xb8, xbs, wb, wsb, jnp.asarray([150, 5, 140], jnp.int32))
+            out = jax.jit(lambda *a, mma=mma, tok=tok: ops.w4a8_grouped_gemm(*a, impl="ffi", mma=mma,
+                                                                                tile_tokens=tok))(*args)
+            ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), np_ref.grouped_gemm(*args)) <= 4e-3
+            ok &= bool((np.asarray(out.astype(jnp.float32))[295:] == 0).all())
     for n, scales in ((200, "block"), (1, "row"), (576, "block")):
         wf = rng.standard_normal((n, 384)).astype(np.float32)
         w8, sw = quant.quantize_fp8_blocks(wf) if scales == "block" else quant.quantize_fp8_groups(wf)

@@ -92,11 +92,12 @@ struct Layout {
   static constexpr int kStageBytes = (kWBytes + kXBytes + kSxBytes + 1023) / 1024 * 1024;
   static constexpr int kRedBytes = kParts == 2 ? 8 * kTok * 4 : 0;  // per-warp token maxima (fused epilogue)
   // The int4 wgmma kernels' output staging (bf16 out, F a multiple of 8): per consumer warpgroup its 64 features
-  // of each token row, 128 bytes padded to 144 (stmatrix rows 16 bytes apart in the banks), read back in 16-byte
-  // chunks for whole-row global stores. Not the 8-token tiles (mma.sync) nor the fused ones.
-  static constexpr bool kBulkStore = kInt4 && kParts == 1 && kTok >= 16;
+  // of each token row, 128 bytes padded to 144 (stmatrix rows 16 bytes apart in the banks; bytes 128-131 hold
+  // the token's multiplier), read back in 16-byte chunks for whole-row global stores. Not the 8-token tiles
+  // (mma.sync) nor the fused ones.
+  static constexpr bool kStagedStore = kInt4 && kParts == 1 && kTok >= 16;
   static constexpr int kStoreRow = 144;
-  static constexpr int kStoreBytes = kBulkStore ? 2 * kTok * kStoreRow : 0;
+  static constexpr int kStoreBytes = kStagedStore ? 2 * kTok * kStoreRow : 0;
 };
 
 // fold_x calls launch the folding kernel (kFoldX) and the plain one; the preparation's flag (the int after the
@@ -920,8 +921,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 #pragma unroll
   for (int part = 0; part < kParts; ++part)
     desc_w0[part] = sm90::DescSw128(smem + part * L::kWPartBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
-  // The staged epilogue (L::kBulkStore): bf16 output whose rows are 16-byte aligned, whole units only.
-  const bool bulk = L::kBulkStore && p.out_bf16 && p.f % 8 == 0 && p.split_k == 1 &&
+  // The staged epilogue (L::kStagedStore): bf16 output whose rows are 16-byte aligned, whole units only.
+  const bool staged = L::kStagedStore && p.out_bf16 && p.f % 8 == 0 && p.split_k == 1 &&
                     (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, kPanels, kEinsum>(p, table, feat_tiles, groups, t);) {
@@ -953,11 +954,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     // under the K loop, and puts it in the padding of its staging row after the loop, where the epilogue reads
     // them. Loaded after the loop instead, the kTok / 4 loads took ~2900 cycles per unit (H200 trace, 128-token
     // folded e4m3 kernel, down M = 4096: 11% of its time).
-    constexpr bool kStagedTokS = L::kBulkStore && (kF16 || kFoldX) && !kEarlyTokS;
+    constexpr bool kStagedTokS = L::kStagedStore && (kF16 || kFoldX) && !kEarlyTokS;
     float staged_tok_s = 0.0f;
     if constexpr (kStagedTokS) {
       const int64_t m = t.m0 + tid;
-      if (bulk && tid < kTok && !t.zero && m < t.m_end)
+      if (staged && tid < kTok && !t.zero && m < t.m_end)
         staged_tok_s = __ldg((kFoldX ? p.x_tok_scale : p.sx) + t.head * p.mp + m);
     }
     // Weight scales of rows row0 and row0 + 8: pre[j] holds those of the groups g_begin + j, + 2, + 4, ...,
@@ -1348,8 +1349,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       if (p.split_k > 1 && !(t.g0 == 0 && t.g1 == groups) &&
           !StreamKFixUp<kEinsum>(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane, total[0]))
         continue;
-      if constexpr (L::kBulkStore) {
-        if (bulk) {
+      if constexpr (L::kStagedStore) {
+        if (staged) {
           // Staged epilogue: this warpgroup's 64 x kTok tile as bf16 into its staging rows (stmatrix, transposed
           // to token rows), then read back in 16-byte chunks, eight threads per token row, and stored with
           // 16-byte st.global (each warp instruction: four whole 128-byte rows). No TMA: the per-row bulk copies

@@ -118,22 +118,6 @@ __device__ __forceinline__ uint32_t PackBf16x2(float lo, float hi) {
   asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
   return r;
 }
-// Bulk copy shared -> global (bytes a multiple of 16, both addresses 16-byte aligned), in this thread's bulk group.
-__device__ __forceinline__ void BulkStore(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-// This thread's bulk groups: all but N have read their shared memory (.read) / are complete.
-template <int N>
-__device__ __forceinline__ void BulkWaitRead() {
-  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-}
-template <int N>
-__device__ __forceinline__ void BulkWait() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-
 // GPU-scope release and acquire fences (not __threadfence(), a sequentially consistent fence:
 // MEMBAR.SC.GPU plus an L1 invalidation in every lane). Release is MEMBAR.ALL.GPU in SASS, acquire
 // an L1 invalidation. After a warp or block barrier a release also covers the writes the other
