@@ -58,7 +58,7 @@ def _cases(names):
         return x8, quant.encode_ue8m0(xs), w8, quant.encode_ue8m0(wsb)
 
     gemm = ops.w4a8_grouped_gemm
-    fused = lambda *a: ops.w4a8_moe_up(*a)[0]  # noqa: E731
+    fused = lambda *a: ops.w4a8_moe_up(*a, fused=True)[0]  # noqa: E731
     einsum = lambda *a: ops.fp8_einsum("md,nd->mn", *a)  # noqa: E731
     key = jax.random.key(0)
     out = []

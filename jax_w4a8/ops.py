@@ -413,7 +413,7 @@ def _fused_up_supported(num_experts: int) -> bool:
 
 
 def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None, impl="auto",
-                rows_per_expert=None, tile_tokens=None, mma=None):
+                rows_per_expert=None, tile_tokens=None, mma=None, fused=None):
     """MoE gate+up grouped GEMM fused with SiLU(gate) * up and fp8 quantization for the down projection.
 
     ``h = silu(gate) * up`` with gate and up the float32 results of :func:`w4a8_grouped_gemm` on the
@@ -425,7 +425,9 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
       1e-4) / 448)`` rounded *before* quantizing, ``h8 = e4m3(h / s)``.
 
     On Hopper the CUDA kernel does this in the GEMM epilogue, so the [M, 2I] intermediate never goes
-    to memory; elsewhere (and for I not a multiple of 128) the ops are composed unfused.
+    to memory, up to 64 expected rows per expert; above, where its 64-token tiles lose to the grouped
+    GEMM's 128-token ones (1.5x slower at 128 rows per expert), and elsewhere (and for I not a multiple
+    of 128) the ops are composed unfused (gate+up in float32, the same math).
 
     Args:
       x, x_scale, group_sizes: as :func:`w4a8_grouped_gemm`.
@@ -435,13 +437,17 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
         tiles 8 (f16 only), 16, 32 or 64); mma: its tensor-core operand format, None (the plan: f16 up to
         64 rows per expert), "e4m3" (token tiles 16, 32, 64) or "f16" (all four); see
         :func:`jax_w4a8.tiling.plan_moe_up`.
+      fused: None (the plan: the fused kernel up to ``tiling.FUSED_UP_MAX_ROWS`` expected rows per expert or
+        when ``tile_tokens`` / ``mma`` is given, the composed ops above), True (the fused kernel wherever it
+        runs) or False (the composed ops).
     Returns:
       (h8 float8_e4m3fn [M, I], scale): float32 [M, I // 128] (dynamic) or the scalar (static). Rows
       not owned by any expert give h = 0 (codes 0).
     Raises:
       TypeError / ValueError naming the argument, at trace time, before any kernel runs: bad shapes or
       dtypes (as :func:`w4a8_grouped_gemm`), ``w13`` without gate and up halves, a non-scalar
-      ``down_input_scale``, an unknown ``tile_tokens`` or ``mma``, or ``mma="e4m3"`` with an 8-token tile.
+      ``down_input_scale``, an unknown ``tile_tokens``, ``mma`` or ``fused``, ``mma="e4m3"`` with an 8-token
+      tile, or ``tile_tokens`` / ``mma`` with ``fused=False``.
     """
     op = "w4a8_moe_up"
     _check_impl(op, impl)
@@ -473,12 +479,12 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     e = w13.shape[0]
     try:
         plan = tiling.plan_moe_up(m, e, inter, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens,
-                                  mma=mma)
+                                  mma=mma, fused=fused)
     except ValueError as exc:
         raise ValueError(f"{op}: {exc}") from None
     if impl == "reference":
         return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale)
-    if inter % 128 or not _fused_up_supported(e):
+    if plan.kernel == "unfused" or inter % 128 or not _fused_up_supported(e):
         return unfused(impl)
     x_scale = jnp.asarray(x_scale)
     if x_scale.size == 1 and x_scale.ndim <= 1:

@@ -145,16 +145,20 @@ import dataclasses
 import math
 
 import jax
+import numpy as np
 
 __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "EINSUM_TILE_TOKENS",
            "GROUPED_TILE_TOKENS", "F16_TILE_TOKENS", "FUSED_F16_TILE_TOKENS",
-           "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS"]
+           "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS", "FUSED_UP_MAX_ROWS"]
 
 TILE_TOKENS = (16, 32, 64, 128)
 GROUPED_TILE_TOKENS = (8,) + TILE_TOKENS  # 8: int4 weights with the f16 MMA only
 F16_TILE_TOKENS = (8, 16, 32, 64)  # the grouped GEMM plan's f16-MMA tiles (H200: module docstring)
 FUSED_F16_TILE_TOKENS = (8, 16, 32, 64)  # the fused up-projection's f16 tiles (the grouped GEMM runs f16 at all of its)
 _F16_HALF_TILE_ROWS = 64  # the grouped plan takes 64-token f16 tiles over 128-token e4m3 ones up to this many
+# ops.w4a8_moe_up runs its fused kernel up to this many expected rows per expert, the composed ops above (H200:
+# see plan_moe_up).
+FUSED_UP_MAX_ROWS = 64
 # expected rows per expert (H200: module docstring)
 EINSUM_TILE_TOKENS = (8,) + TILE_TOKENS + (192,)  # 8: the einsum's decode kernel; 192: block-scaled only
 DECODE_MAX_TOKENS = 32  # tile_tokens 8 (ffi/cuda/fp8_decode_gemm.cuh kDecodeMaxTokens)
@@ -182,7 +186,8 @@ class GemmPlan:
     # multipliers, flag and folded codes at e4m3 128-token tiles; + split-K piece counters and partial tiles)
     units: int  # expected units of work
     mma: str = "e4m3"  # int4 weights: "e4m3" or "f16" tensor-core operands
-    kernel: str = "native"  # "native" (this library's kernels, by tile_tokens) or "cutlass"
+    kernel: str = "native"  # "native" (this library's kernels, by tile_tokens) or "cutlass"; the fused
+    # up-projection's plan: "fused" (its CUDA kernel, by tile_tokens) or "unfused" (the composed ops)
     experts_per_chunk: int = 0  # grouped GEMM on CUTLASS: experts whose e4m3 weights share the scratch
 
 
@@ -364,8 +369,17 @@ def _with_mma(plan: GemmPlan, mma: str, m: int, k: int, f16_tiles: tuple[int, ..
 
 
 def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | None = None,
-                tile_tokens: int | None = None, num_sms: int | None = None, mma: str | None = None) -> GemmPlan:
-    """Plan for the fused ``w4a8_moe_up`` (gate and up accumulators: token tiles up to 64, no split-K).
+                tile_tokens: int | None = None, num_sms: int | None = None, mma: str | None = None,
+                fused: bool | None = None) -> GemmPlan:
+    """Plan for ``w4a8_moe_up``: its fused kernel (gate and up accumulators: token tiles up to 64, no split-K),
+    or the composed ops (``kernel="unfused"``: the gate+up grouped GEMM in float32, SiLU-mul, the quantizer).
+
+    ``fused``: None takes the fused kernel up to ``FUSED_UP_MAX_ROWS`` (64) expected rows per expert, or
+    whenever ``tile_tokens`` or ``mma`` is given (they configure it), and the composed ops above: at 128 rows
+    per expert the fused kernel, whose tiles stop at 64 tokens, took 838 us for gate+up at M = 4096 against
+    547 us for the grouped GEMM (bf16 out, 128-token tiles) + SiLU-mul + quantizer (H200, thirtieth session;
+    0.67x in earlier sessions), where at 32 / 64 rows per expert it is 1.02x faster (below). True forces
+    the fused kernel, False the composed ops. The returned tile fields are the fused kernel's in both cases.
 
     ``mma``: the tensor-core operand format as in :func:`plan_grouped_gemm` ("f16" at every fused tile, 8
     to 64: the activations as f16, converted once per call, follow the scales in the scratch); None takes
@@ -373,9 +387,16 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
     was measured; e4m3 above). H200, same process, gate+up 32 experts, us, fused f16 vs fused e4m3 at 64
     tokens vs the unfused GEMM + SiLU-mul + quantizer: M = 1024 304 / 352 / 309, M = 2048 455 / 514 / 465
     (h8 codes of the two formats 98% equal: float32 summation order and the folded-scale rounding). Raises
-    ValueError naming ``tile_tokens`` or ``mma``.
+    ValueError naming ``tile_tokens``, ``mma`` or ``fused``.
     """
+    if fused is not None and not isinstance(fused, (bool, np.bool_)):
+        raise ValueError(f"argument 'fused' must be None, True or False, got {fused!r}")
+    if fused is False and (tile_tokens is not None or mma is not None):
+        raise ValueError("arguments 'tile_tokens' and 'mma' configure the fused kernel; leave them None with "
+                         "fused=False")
     rows = rows_per_expert if rows_per_expert is not None else m / e
+    if fused is None:
+        fused = tile_tokens is not None or mma is not None or rows <= FUSED_UP_MAX_ROWS
     if tile_tokens is None:
         tile_tokens = _tile_for(rows, spread=True, tiles=GROUPED_TILE_TOKENS[1 if mma == "e4m3" else 0:4])
     if tile_tokens not in GROUPED_TILE_TOKENS[:4]:
@@ -385,7 +406,8 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
     scratch = _align256((k // 128) * (-(-m // 4) * 4) * 4)
     if mma is None:  # f16 where measured faster (H200: see above)
         mma = "f16" if tile_tokens < 64 or rows <= _F16_HALF_TILE_ROWS else "e4m3"
-    return _with_mma(GemmPlan(plan.tile_tokens, 1, scratch, plan.units), mma, m, k)
+    return dataclasses.replace(_with_mma(GemmPlan(plan.tile_tokens, 1, scratch, plan.units), mma, m, k),
+                               kernel="fused" if fused else "unfused")
 
 
 def _einsum_tile(m: int, block_scaled: bool) -> int:

@@ -118,3 +118,26 @@ def test_bad_inputs(rng):
         ops.w4a8_moe_up(*args, tile_tokens=128, impl="reference")
     with pytest.raises(ValueError, match="'mma'"):
         ops.w4a8_moe_up(*args, mma="bf16", impl="reference")
+    with pytest.raises(ValueError, match="'fused'"):
+        ops.w4a8_moe_up(*args, fused="yes")
+    with pytest.raises(ValueError, match="'tile_tokens' and 'mma'.*fused=False"):
+        ops.w4a8_moe_up(*args, tile_tokens=16, fused=False)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_many_rows_per_expert_take_the_composed_ops(rng, device, static):
+    """Above FUSED_UP_MAX_ROWS expected rows per expert the op composes the grouped GEMM (float32 out), SiLU-mul
+    and the quantizer (the fused kernel's 64-token tiles lose there): the same math, checked against float64
+    and, on the GPU, against the fused kernel forced on the same inputs (codes equal but where float32
+    summation order crosses a rounding boundary)."""
+    from jax_w4a8 import tiling
+    m, k, inter, sizes = 420, 256, 128, [200, 0, 130, 80]  # 105 expected rows per expert; 10 padding rows
+    assert tiling.plan_moe_up(m, len(sizes), inter, k).kernel == "unfused"
+    args = make_case(rng, m, k, 2 * inter, sizes)
+    s = np.float32(np.abs(np_moe_up(args)).max() / 448) if static else None
+    dev_args = [jax.device_put(a, device) for a in args]
+    h8, scale = jax.jit(functools.partial(ops.w4a8_moe_up, down_input_scale=s))(*dev_args)
+    check(h8, scale, args, s, covered=410)
+    f8, _ = jax.jit(functools.partial(ops.w4a8_moe_up, down_input_scale=s, fused=True))(*dev_args)
+    same = np.mean(np.asarray(f8).view(np.uint8) == np.asarray(h8).view(np.uint8))
+    assert same > 0.97
