@@ -134,8 +134,8 @@ products and one FMA per accumulator. The heuristic:
   H200, same process, 32 experts, UE8M0 activation scales, this library's kernel / CUTLASS time, M = 8192 /
   16384 / 20480 / 24576 / 32768 (rows per expert M / 32): gate+up 0.81 / 0.96 / 1.04 / 1.04 / 1.09; down
   (K 2048) 0.79 / 0.98 / 1.04 / 1.08 / 1.15 (before the staged epilogue the crossover was at 384 rows for
-  gate+up, 256 for down). The converted weights live in the call's scratch, ``CUTLASS_WEIGHT_SCRATCH_BYTES`` (1 GiB) at a
-  time: more experts than fit run in chunks of a conversion and a GEMM each.
+  gate+up, 256 for down). The converted weights live in the call's scratch, ``CUTLASS_WEIGHT_SCRATCH_BYTES``
+  (1 GiB) at a time: more experts than fit run in chunks of a conversion and a GEMM each.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 
@@ -156,10 +156,10 @@ GROUPED_TILE_TOKENS = (8,) + TILE_TOKENS  # 8: int4 weights with the f16 MMA onl
 F16_TILE_TOKENS = (8, 16, 32, 64)  # the grouped GEMM plan's f16-MMA tiles (H200: module docstring)
 FUSED_F16_TILE_TOKENS = (8, 16, 32, 64)  # the fused up-projection's f16 tiles (the grouped GEMM runs f16 at all of its)
 _F16_HALF_TILE_ROWS = 64  # the grouped plan takes 64-token f16 tiles over 128-token e4m3 ones up to this many
+# expected rows per expert (H200: module docstring)
 # ops.w4a8_moe_up runs its fused kernel up to this many expected rows per expert, the composed ops above (H200:
 # see plan_moe_up).
 FUSED_UP_MAX_ROWS = 64
-# expected rows per expert (H200: module docstring)
 EINSUM_TILE_TOKENS = (8,) + TILE_TOKENS + (192,)  # 8: the einsum's decode kernel; 192: block-scaled only
 DECODE_MAX_TOKENS = 32  # tile_tokens 8 (ffi/cuda/fp8_decode_gemm.cuh kDecodeMaxTokens)
 _DECODE_TOKENS = 8  # the einsum plan takes the decode kernel up to this many tokens (H200: see docstring)
