@@ -240,6 +240,20 @@ def test_folded_kernel_promotes_without_token_scales(kernels):
         assert lds <= (8 if fmul_per_group == 0 else 40) * groups, (config, lds, groups)
 
 
+def test_folded_kernel_converts_eight_codes_per_word(kernels):
+    """The folding kernel reads its activations in a K order of its own (hopper_gemm.cu StoreFoldedKOrder), so
+    that each thread's int4 codes of a K step are one 32-bit word of its 16-byte chunk of the weight row: one
+    16-byte shared load per row and group, no byte gather (PRMT) before the int4 -> e4m3 lookups (6 PRMT per 8
+    codes). nvcc 13.0: 235 instructions per group, 2 LDS, 48 PRMT (the plain kernel: 8 LDS.128 and 64 PRMT,
+    279.5 per group in the folding kernel before)."""
+    loop = _innermost_mma_loop(kernels[(128, True, 1, False, "folded")])
+    groups = sum(1 for t in loop if re.search(r"\bQGMMA\b", t)) // 4
+    assert groups >= 1
+    assert sum(1 for t in loop if re.search(r"\bLDS\b", t)) <= 2 * groups
+    assert sum(1 for t in loop if re.search(r"\bPRMT\b", t)) <= 48 * groups
+    assert len(loop) <= 245 * groups, (len(loop), groups)
+
+
 def _first_read_distance(loop, i, reg):
     """Instructions from loop[i] to the next one (cyclically, the loop repeats) that reads register reg, loads
     aside (the listing is linear: a load on another branch of the scale-type switch may reuse the register)."""

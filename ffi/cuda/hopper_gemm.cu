@@ -25,7 +25,9 @@
 //   int4 e4m3 at 128-token tiles, activation scales folded (kFoldX): where every token's group scales differ
 //                by powers of two, the preparation folds their ratios into the e4m3 codes and the kernel
 //                promotes with total += sw(row, g) * partial, each token's scale applied after the K loop
-//                (FoldTokenActivations); a call it cannot fold runs the plain kernel, launched after it.
+//                (FoldTokenActivations); a call it cannot fold runs the plain kernel, launched after it. It
+//                reads the activations in a K order of its own (StoreFoldedKOrder) so that each thread's int4
+//                codes of a K step are one 32-bit word of its 16-byte chunk of the weight row (no byte gather).
 // Block-scaled einsum at 128- and 192-token tiles (ConsumeTokenRows): the same stages, but two or three
 //                consumer warpgroups put 64 tokens each on wgmma's A side and the 128 weight rows on
 //                its N side, taking turns.
@@ -118,6 +120,20 @@ __device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
   const uint32_t sel = ((nibbles >> 1) & 0x4444u) | 0x3210u;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(pos), "r"(neg), "r"(sel));
   return out;
+}
+
+// Eight int4 codes (one 32-bit word, code j in nibble j) -> e4m3 codes 0..3 in lo and 4..7 in hi, exactly
+// (Int4x4ToE4m3 on each half, the masks and sign selectors computed once for the word).
+__device__ __forceinline__ void Int4x8ToE4m3(uint32_t w, uint32_t& lo, uint32_t& hi) {
+  const uint32_t idx = w & 0x77777777u, idx_hi = idx >> 16;
+  uint32_t pos_lo, neg_lo, pos_hi, neg_hi;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos_lo) : "r"(0x44403800u), "r"(0x4E4C4A48u), "r"(idx));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg_lo) : "r"(0xCACCCED0u), "r"(0xB8C0C4C8u), "r"(idx));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos_hi) : "r"(0x44403800u), "r"(0x4E4C4A48u), "r"(idx_hi));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg_hi) : "r"(0xCACCCED0u), "r"(0xB8C0C4C8u), "r"(idx_hi));
+  const uint32_t sel = ((w >> 1) & 0x44444444u) | 0x32103210u;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(lo) : "r"(pos_lo), "r"(neg_lo), "r"(sel));
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(hi) : "r"(pos_hi), "r"(neg_hi), "r"(sel >> 16));
 }
 
 // Eight int4 codes (one 32-bit word, code j in nibble j) -> four f16x2, exactly, with 5 integer and 4
@@ -1138,7 +1154,22 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         turn_pass();
       } else {
         const uint8_t* x_tile = st + L::kWBytes;
-        if constexpr (kInt4) {
+        if constexpr (kFoldX) {
+          // Folded activations are in the thread-major K order (FoldedKOrder): thread c's codes of every K step
+          // are its 16-byte chunk c of each row, word kc (8 codes) for step kc, converted as loaded.
+#pragma unroll
+          for (int part = 0; part < kParts; ++part) {
+            const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_off;
+            const uint4 qa = sm90::LdShared128(base);
+            const uint4 qb = sm90::LdShared128(base + 8 * 64);
+            const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+            for (int kc = 0; kc < 4; ++kc) {
+              Int4x8ToE4m3(wa[kc], afrag[S][part][kc][0], afrag[S][part][kc][2]);
+              Int4x8ToE4m3(wb[kc], afrag[S][part][kc][1], afrag[S][part][kc][3]);
+            }
+          }
+        } else if constexpr (kInt4) {
           // int4 -> e4m3 straight into the wgmma A fragments: per K step one 16-byte chunk of each of the
           // two rows; bytes 2c, 2c + 1 of each 8-byte half are this thread's 4 + 4 codes.
 #pragma unroll
@@ -1490,6 +1521,34 @@ __device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
   return F16x2ToE4m3x2(lo) | (F16x2ToE4m3x2(hi) << 16);
 }
 
+// The folded activations' K order (thread-major), which the folding kernel's int4 -> e4m3 conversion reads
+// without a byte gather: within a 128-K group, wgmma step kc (32 K) takes from thread c = lane % 4 of a fragment
+// row the int4 codes [32 c + 8 kc, + 8) (word kc of its 16-byte chunk c; Int4x8ToE4m3 puts codes + 0..3 in the
+// step's columns 4 c + j and + 4..7 in 16 + 4 c + j). So step kc's column 4 c + j holds activation
+// 32 c + 8 kc + j and column 16 + 4 c + j activation 32 c + 8 kc + 4 + j: in 4-byte words, word 8 kc + c of a
+// folded group is word 8 c + 2 kc of the caller's, word 8 kc + 4 + c is word 8 c + 2 kc + 1. One group's 32
+// words r (caller's order) to dst in that order:
+__device__ __forceinline__ void StoreFoldedKOrder(const uint32_t (&r)[32], uint8_t* dst) {
+  uint4* d = reinterpret_cast<uint4*>(dst);
+#pragma unroll
+  for (int kc = 0; kc < 4; ++kc) {
+    d[2 * kc] = uint4{r[2 * kc], r[8 + 2 * kc], r[16 + 2 * kc], r[24 + 2 * kc]};
+    d[2 * kc + 1] = uint4{r[2 * kc + 1], r[9 + 2 * kc], r[17 + 2 * kc], r[25 + 2 * kc]};
+  }
+}
+
+// One group of 128 codes from src to dst in the folded K order, each 4-code word passed through op.
+template <typename Op>
+__device__ __forceinline__ void CopyGroupFoldedKOrder(const uint8_t* src, uint8_t* dst, Op op) {
+  uint32_t r[32];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint4 v = reinterpret_cast<const uint4*>(src)[i];
+    r[4 * i] = op(v.x), r[4 * i + 1] = op(v.y), r[4 * i + 2] = op(v.z), r[4 * i + 3] = op(v.w);
+  }
+  StoreFoldedKOrder(r, dst);
+}
+
 // One token row and head (a warp; warp-uniform): its folded codes into xf (per-group scales) and its multiplier;
 // the call's flag set if it cannot be folded (above).
 __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t row, int64_t head, int64_t h,
@@ -1543,13 +1602,11 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
     if (!fold) *flag = 1;
   }
   if (!fold) return;
-  for (int64_t g = lane / 8; g < groups; g += 4) {
+  for (int64_t g = lane; g < groups; g += 32) {  // a lane per group, written in the folded K order
     const float s = ActScaleAt(src, kind, row, head, h, groups, g);
     const float r = s_max > 0.0f ? ldexpf(__fdiv_rn(s, s_max), j) : 0.0f;  // 2^-149 .. 2^15, or 0
     const uint32_t r2 = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(r))) * 0x10001u;
-    uint4 v = *reinterpret_cast<const uint4*>(xr + g * kKGroup + 16 * (lane % 8));
-    v.x = ScaleE4m3x4(v.x, r2), v.y = ScaleE4m3x4(v.y, r2), v.z = ScaleE4m3x4(v.z, r2), v.w = ScaleE4m3x4(v.w, r2);
-    *reinterpret_cast<uint4*>(yr + g * kKGroup + 16 * (lane % 8)) = v;
+    CopyGroupFoldedKOrder(xr + g * kKGroup, yr + g * kKGroup, [r2](uint32_t v) { return ScaleE4m3x4(v, r2); });
   }
 }
 
@@ -1557,7 +1614,8 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
 // launch for both. The f16 MMA path (xh): the activations to f16 with each group's scale folded in
 // (ConvertXToF16), and in the scale layout's group-0 plane each token's largest scale, which the GEMM
 // applies in its epilogue (the other planes are not read there). fold_x (tok_scale set): also the folded
-// activations (FoldTokenActivations; xf: the folded codes, per-group scales only) and the call's flag.
+// activations (FoldTokenActivations; xf: the folded codes in the folded K order, per tensor or per token the
+// caller's codes in that order) and the call's flag.
 __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float* dst, int64_t m, int64_t h,
                                        int64_t groups, int64_t mp, float* zero, int64_t n_zero,
                                        const int32_t* group_sizes, int64_t b, void* out, bool out_bf16, int64_t f,
@@ -1601,15 +1659,18 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
   const int64_t rows_used = group_sizes != nullptr ? pad_start : m;
   if (tok_scale != nullptr) {
     int* flag = reinterpret_cast<int*>(tok_scale + h * mp);
-    if (xf != nullptr) {  // per-group scales: a warp per token row and head (warp-uniform loop, as above)
+    if (kind == ActScaleKind::kGroupF32 || kind == ActScaleKind::kGroupUe8m0) {
+      // per-group scales: a warp per token row and head (warp-uniform loop, as above)
       for (int64_t w = thread / 32; w < rows_used * h; w += stride / 32)
         FoldTokenActivations(src, kind, w / h, w % h, h, groups, mp, x, xf, tok_scale, flag, threadIdx.x % 32);
-    } else {  // per tensor or per token: nothing to fold (the kernel reads x); the scale is the multiplier
+    } else {  // per tensor or per token: nothing to fold; the scale is the multiplier, the codes only reordered
       for (int64_t i = thread; i < rows_used * h; i += stride) {
         const float s = ActScaleAt(src, kind, i / h, i % h, h, groups, 0);
         tok_scale[(i % h) * mp + i / h] = s;
         if (!(fabsf(s) >= 1.17549435e-38f && isfinite(s))) *flag = 1;  // 0 * Inf: the unfolded kernel
       }
+      for (int64_t i = thread; i < rows_used * h * groups; i += stride)
+        CopyGroupFoldedKOrder(x + i * kKGroup, xf + i * kKGroup, [](uint32_t v) { return v; });
     }
   }
   for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
@@ -1701,9 +1762,8 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
     ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, p.xh, p.k, p.h, p.m, kKGroup / 2, 1, kTok,
                         CU_TENSOR_MAP_SWIZZLE_128B);  // p.xh checked by LaunchHopperGemm
   } else {
-    // The folding kernel with per-group scales: the folded codes (per tensor or per token there is nothing to fold).
-    const bool folded_codes = kFoldX && (p.sx_kind == ActScaleKind::kGroupF32 || p.sx_kind == ActScaleKind::kGroupUe8m0);
-    ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, folded_codes ? p.x_fold : p.x, p.k, p.h, p.m, kKGroup,
+    // The folding kernel reads the folded codes (in the folded K order; per tensor or per token only reordered).
+    ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, kFoldX ? p.x_fold : p.x, p.k, p.h, p.m, kKGroup,
                         1, kTok, CU_TENSOR_MAP_SWIZZLE_128B);
   }
   ok = ok && Encode3d(&map_sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, p.sx, p.mp, p.h, p.k / kKGroup, L::kSxBox, 1, 1,
@@ -1905,9 +1965,8 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const bool f16_x = p.w_int4 && p.int4_f16;
   if (f16_x && p.xh == nullptr) return cudaErrorInvalidValue;
   // fold_x: exactly the kernel that folds (HopperGemmKernel kFoldX), with its scratch.
-  const bool per_group_x = p.sx_kind == ActScaleKind::kGroupF32 || p.sx_kind == ActScaleKind::kGroupUe8m0;
   if (p.fold_x != (p.w_int4 && !p.int4_f16 && !p.fused_up && p.tile_tokens == 128)) return cudaErrorInvalidValue;
-  if (p.fold_x && (p.x_tok_scale == nullptr || (per_group_x && p.x_fold == nullptr))) return cudaErrorInvalidValue;
+  if (p.fold_x && (p.x_tok_scale == nullptr || p.x_fold == nullptr)) return cudaErrorInvalidValue;
   if (p.fold_x) {  // the flag after the token multipliers: cleared, then set by the preparation where it cannot fold
     if (cudaError_t e = cudaMemsetAsync(p.x_tok_scale + p.h * mp, 0, sizeof(int), stream); e != cudaSuccess) return e;
   }
@@ -1927,7 +1986,7 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   if (n > 0 || n_zero > 0) {
     const int64_t work = std::max({n, n_zero, zero_padding ? p.m * p.f : int64_t{0},
                                    f16_x ? p.m * p.h * (p.k / kKGroup) * 16 : int64_t{0},
-                                   p.fold_x && per_group_x ? p.m * p.h * 32 : int64_t{0}});
+                                   p.fold_x ? p.m * p.h * 32 : int64_t{0}});
     const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t{dev.sms} * 8));
     PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
                                                        p.split_ws, n_zero,
@@ -1936,8 +1995,7 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
                                                        static_cast<const uint8_t*>(p.x),
                                                        f16_x ? static_cast<uint16_t*>(p.xh) : nullptr,
                                                        p.fold_x ? p.x_tok_scale : nullptr,
-                                                       p.fold_x && per_group_x ? static_cast<uint8_t*>(p.x_fold)
-                                                                               : nullptr,
+                                                       p.fold_x ? static_cast<uint8_t*>(p.x_fold) : nullptr,
                                                        zero_padding);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     q.dependent_launch = DependentLaunchEnabled();

@@ -65,8 +65,8 @@ struct HopperGemmParams {
   // int4 weights, e4m3 MMA, 128-token tiles, unfused: the activation scales folded into the activations where
   // they differ by powers of two (see FoldTokenActivations in hopper_gemm.cu). x_tok_scale (scratch, float32
   // [H, Mp], then an int flag): each token's multiplier, applied after the K loop, and whether the call could
-  // not be folded (it then runs the unfolded kernel); x_fold (scratch, e4m3 [M, H, K]): the folded activations,
-  // for per-group activation scales (per tensor or per token the kernel reads x: there is nothing to fold).
+  // not be folded (it then runs the unfolded kernel); x_fold (scratch, e4m3 [M, H, K]): the folded activations
+  // in the K order its int4 conversion reads (StoreFoldedKOrder; per tensor or per token x, reordered only).
   bool fold_x = false;
   float* x_tok_scale = nullptr;
   void* x_fold = nullptr;
