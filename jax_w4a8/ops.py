@@ -23,7 +23,8 @@ import numpy as np
 from jax_w4a8 import quant, reference, tiling
 from jax_w4a8._ffi import TARGETS, ffi_available
 
-__all__ = ["w4a8_grouped_gemm", "w4a8_moe_up", "fp8_einsum", "pack_ue8m0", "quantize_fp8_groups"]
+__all__ = ["w4a8_grouped_gemm", "w4a8_moe_up", "fp8_einsum", "pack_ue8m0", "quantize_fp8_groups",
+           "silu_mul_quantize_fp8_groups"]
 
 _IMPLS = ("auto", "ffi", "reference")
 _SCALE_CODE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e8m0fnu))
@@ -394,9 +395,49 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
 
     def ffi_fn(v):
         return tuple(jax.ffi.ffi_call(TARGETS["quantize_fp8_groups"], types, vmap_method="broadcast_all")(
-            v, ue8m0=bool(ue8m0)))
+            v, ue8m0=bool(ue8m0), silu_mul=False))
 
     return _dispatch(impl, ffi_fn, ffi_fn, ref_fn, x)
+
+
+def _silu_mul_reference(x, ue8m0):
+    inter = x.shape[-1] // 2
+    x = x.astype(jnp.float32)
+    return quant.quantize_fp8_groups(jax.nn.silu(x[..., :inter]) * x[..., inter:], ue8m0=ue8m0)
+
+
+def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, impl="auto"):
+    """The MoE activation and the down projection's input quantization in one pass: ``x = [gate, up]``,
+    ``h = silu(gate) * up`` in float32, then :func:`quantize_fp8_groups` of ``h`` (per token and 128 channels).
+
+    The kernel reads ``x`` once and writes the codes and scales: ``h`` never goes to memory (the unfused
+    sequence writes it and reads it back). Its reference: ``jax.nn.silu`` and the quantizer in ``jnp``.
+
+    Args:
+      x: bfloat16 or float32 [..., 2I], gate channels [0, I), up channels [I, 2I); I a multiple of 128.
+      ue8m0: scales rounded up to powers of two (UE8M0) before quantizing, as the down projection's
+        activations of DeepSeek-V3.1 / V4 checkpoints and :func:`w4a8_moe_up` use.
+    Returns:
+      (float8_e4m3fn [..., I], float32 scales [..., I // 128]).
+    Raises:
+      TypeError / ValueError naming ``x`` for another dtype or a last axis that is not a positive multiple
+      of 256.
+    """
+    op = "silu_mul_quantize_fp8_groups"
+    _check_impl(op, impl)
+    x = jnp.asarray(x)
+    _check_dtype(op, "x", x, [jnp.bfloat16, jnp.float32])
+    if x.ndim < 1 or x.shape[-1] == 0 or x.shape[-1] % 256:
+        _fail(op, "x", f"must be [..., 2I] (gate, then up) with I a positive multiple of 128, got {x.shape}")
+    inter = x.shape[-1] // 2
+    types = (jax.ShapeDtypeStruct(x.shape[:-1] + (inter,), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct(x.shape[:-1] + (inter // 128,), jnp.float32))
+
+    def ffi_fn(v):
+        return tuple(jax.ffi.ffi_call(TARGETS["quantize_fp8_groups"], types, vmap_method="broadcast_all")(
+            v, ue8m0=bool(ue8m0), silu_mul=True))
+
+    return _dispatch(impl, ffi_fn, ffi_fn, functools.partial(_silu_mul_reference, ue8m0=ue8m0), x)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,9 +466,11 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
       1e-4) / 448)`` rounded *before* quantizing, ``h8 = e4m3(h / s)``.
 
     On Hopper the CUDA kernel does this in the GEMM epilogue, so the [M, 2I] intermediate never goes
-    to memory, up to 64 expected rows per expert; above, where its 64-token tiles lose to the grouped
-    GEMM's 128-token ones (1.5x slower at 128 rows per expert), and elsewhere (and for I not a multiple
-    of 128) the ops are composed unfused (gate+up in float32, the same math).
+    to memory, up to 64 expected rows per expert. Above (where its 64-token tiles lose to the grouped
+    GEMM's 128-token ones: 1.5x slower at 128 rows per expert), and elsewhere, the ops are composed: the
+    grouped GEMM with bfloat16 output (gate and up rounded to bfloat16, 2^-9 relative, as in the unfused
+    sequence), then SiLU-mul and the quantizer in one pass (:func:`silu_mul_quantize_fp8_groups`; static
+    scale or I not a multiple of 128: one XLA fusion).
 
     Args:
       x, x_scale, group_sizes: as :func:`w4a8_grouped_gemm`.
@@ -463,14 +506,15 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     inter = w13.shape[1] // 2
 
     def unfused(ffi_impl):
-        y = w4a8_grouped_gemm(x, x_scale, w13, w13_scale, group_sizes, out_dtype=jnp.float32, impl=ffi_impl,
+        y = w4a8_grouped_gemm(x, x_scale, w13, w13_scale, group_sizes, impl=ffi_impl,
                               rows_per_expert=rows_per_expert)
-        h = jax.nn.silu(y[:, :inter]) * y[:, inter:]
-        if static:
-            return quant.quantize_fp8_tensor(h, down_input_scale), down_input_scale
-        if inter % 128:
+        if static or inter % 128:
+            yf = y.astype(jnp.float32)
+            h = jax.nn.silu(yf[:, :inter]) * yf[:, inter:]
+            if static:
+                return quant.quantize_fp8_tensor(h, down_input_scale), down_input_scale
             return quant.quantize_fp8_groups(h, ue8m0=True)
-        return quantize_fp8_groups(h, ue8m0=True, impl=ffi_impl)
+        return silu_mul_quantize_fp8_groups(y, ue8m0=True, impl=ffi_impl)
 
     # Validation of every other argument happens here, at trace time; the plan options are checked on every
     # path, also where the fused kernel does not run.

@@ -102,6 +102,10 @@ def main() -> int:
     q8, qs = jax.jit(lambda v: ops.quantize_fp8_groups(v, ue8m0=True, impl="ffi"))(
         jnp.asarray(rng.standard_normal((7, 384)), jnp.bfloat16))
     ok &= bool(np.isfinite(np.asarray(qs)).all())
+    for dtype in (jnp.bfloat16, jnp.float32):  # [gate, up] of 7 rows x 2 x 256: the silu_mul kernels
+        g8, gs = jax.jit(lambda v: ops.silu_mul_quantize_fp8_groups(v, ue8m0=True, impl="ffi"))(
+            jnp.asarray(rng.standard_normal((7, 512)), dtype))
+        ok &= g8.shape == (7, 256) and bool(np.isfinite(np.asarray(gs)).all())
     codes = jax.jit(lambda s: ops.pack_ue8m0(s, impl="ffi"))(jnp.array([1.0, 0.5, 8.0], jnp.float32))
     ok &= np.asarray(codes).tolist() == [127, 126, 130]
     print("sanitizer case:", "ok" if ok else "WRONG RESULTS")

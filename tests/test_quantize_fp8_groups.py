@@ -59,3 +59,47 @@ def test_auto_dispatch_and_errors(rng):
         ops.quantize_fp8_groups(x, group_size=0)
     q, s = ops.quantize_fp8_groups(x, group_size=64)  # other group sizes: the reference
     assert s.shape == (4, 4)
+
+
+def np_silu_mul(x):
+    """float64: silu(gate) * up for x = [gate, up] on the last axis."""
+    x = np.asarray(x, np.float64)
+    g, u = np.split(x, 2, axis=-1)
+    return g * np.exp(-np.logaddexp(0.0, -g)) * u  # g * sigmoid(g), no overflow for g << 0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_silu_mul_kernel_matches_float64(rng, device, dtype, ue8m0):
+    """ops.silu_mul_quantize_fp8_groups: every code within e4m3's rounding of float64 silu(gate) * up (half a
+    step: 2^-4 relative, 2^-10 of the scale among subnormals), every scale the float64 group maximum / 448
+    (rounded up to a power of two with ue8m0), against the jnp reference too."""
+    x = (rng.standard_normal((3, 37, 768)) * np.exp2(rng.uniform(-6, 6, (3, 37, 1)))).astype(np.float32)
+    x[0, 0, :128] = 0.0           # an all-zero gate group: h = 0 there, scale from the 1e-4 floor
+    x[1, 2, 300:428] = 0.0        # an all-zero up group
+    x[2, 3, 10] = -1e4            # silu of a large negative gate: -0 (exp(-g) is Inf), not NaN
+    x = jnp.asarray(x, dtype)
+    f = jax.jit(functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=ue8m0, impl="ffi"))
+    q, s = f(jax.device_put(x, device))
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == (3, 37, 384) and s.shape == (3, 37, 3)
+    h = np_silu_mul(np.asarray(x, np.float32))
+    s64 = np.asarray(s, np.float64)
+    amax = np.maximum(np.abs(h).reshape(3, 37, 3, 128).max(-1), 1e-4)
+    want = amax / 448 if not ue8m0 else np.exp2(np.ceil(np.log2(amax / 448)))
+    np.testing.assert_allclose(s64, want, rtol=2e-6)
+    deq = np.asarray(q).astype(np.float64) * np.repeat(s64, 128, axis=-1)
+    assert np.isfinite(deq).all()
+    bound = 2.0**-4 * np.abs(h) * (1 + 1e-5) + 2.0**-10 * np.repeat(s64, 128, axis=-1)
+    assert (np.abs(deq - h) <= bound).all()
+    q_ref, s_ref = ops.silu_mul_quantize_fp8_groups(x, ue8m0=ue8m0, impl="reference")
+    assert np.mean(np.asarray(q).view(np.uint8) == np.asarray(q_ref).view(np.uint8)) > 0.995
+
+
+def test_silu_mul_errors(rng):
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.bfloat16)
+    text = jax.jit(ops.silu_mul_quantize_fp8_groups).lower(x).as_text()
+    assert "jax_w4a8_quantize_fp8_groups" in text
+    with pytest.raises(ValueError, match="'x'.*2I"):
+        ops.silu_mul_quantize_fp8_groups(x[:, :384])
+    with pytest.raises(TypeError, match="'x'"):
+        ops.silu_mul_quantize_fp8_groups(x.astype(jnp.int32))

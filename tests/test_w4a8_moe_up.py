@@ -31,7 +31,9 @@ def check(h8, scale, args, static_scale=None, covered=None):
     if static_scale is None:
         assert np.asarray(quant.is_ue8m0_exact(scale)).all()
         amax = np.maximum(np.abs(h).reshape(h.shape[0], -1, 128).max(-1), 1e-4)
-        ok = s >= amax / 448 * (1 - 1e-3)  # the scale covers the group (rounded up, never down)
+        # the scale covers the group (rounded up, never down; the composed ops round gate and up to bfloat16
+        # first: up to 2^-8 relative, in the group maximum too)
+        ok = s >= amax / 448 * (1 - 2.0**-7)
         assert ok.all()
     if covered is not None:
         assert (codes[covered:] == 0).all()
@@ -48,7 +50,9 @@ def test_matches_float64(rng, device, static):
     check(h8, scale, args, s, covered=45)
     r8, rs = ops.w4a8_moe_up(*args, down_input_scale=s, impl="reference")
     same = np.mean(np.asarray(r8).view(np.uint8) == np.asarray(h8).view(np.uint8))
-    assert same > 0.97  # codes differ only where float32 summation order crosses a rounding boundary
+    # codes differ only where float32 summation order (the fused kernel) or, in the composed ops (the CPU), the
+    # bfloat16 rounding of gate and up crosses an e4m3 rounding boundary: about 2% of them there
+    assert same > 0.95
 
 
 @pytest.mark.gpu
@@ -126,10 +130,10 @@ def test_bad_inputs(rng):
 
 @pytest.mark.parametrize("static", [False, True])
 def test_many_rows_per_expert_take_the_composed_ops(rng, device, static):
-    """Above FUSED_UP_MAX_ROWS expected rows per expert the op composes the grouped GEMM (float32 out), SiLU-mul
-    and the quantizer (the fused kernel's 64-token tiles lose there): the same math, checked against float64
-    and, on the GPU, against the fused kernel forced on the same inputs (codes equal but where float32
-    summation order crosses a rounding boundary)."""
+    """Above FUSED_UP_MAX_ROWS expected rows per expert the op composes the grouped GEMM (bfloat16 out) and
+    silu_mul_quantize_fp8_groups (the fused kernel's 64-token tiles lose there): checked against float64 and, on
+    the GPU, against the fused kernel forced on the same inputs (codes equal but where the bfloat16 rounding of
+    gate and up, 2^-9 relative, or the float32 summation order crosses an e4m3 rounding boundary)."""
     from jax_w4a8 import tiling
     m, k, inter, sizes = 420, 256, 128, [200, 0, 130, 80]  # 105 expected rows per expert; 10 padding rows
     assert tiling.plan_moe_up(m, len(sizes), inter, k).kernel == "unfused"
@@ -140,4 +144,4 @@ def test_many_rows_per_expert_take_the_composed_ops(rng, device, static):
     check(h8, scale, args, s, covered=410)
     f8, _ = jax.jit(functools.partial(ops.w4a8_moe_up, down_input_scale=s, fused=True))(*dev_args)
     same = np.mean(np.asarray(f8).view(np.uint8) == np.asarray(h8).view(np.uint8))
-    assert same > 0.97
+    assert same > 0.95  # about 0.98 (bfloat16 gate and up in the composed ops)

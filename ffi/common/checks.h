@@ -180,18 +180,22 @@ inline ffi::Error CheckUe8m0Pack(const ffi::AnyBuffer& scale, const ffi::AnyBuff
 // ---------------------------------------------------------------------------------------------
 // quantize_fp8_groups: x [R, K] (bf16 / f32) -> e4m3 [R, K] + f32 scales [R, K/128]
 // ---------------------------------------------------------------------------------------------
+// silu_mul: x is [..., 2K] (gate, then up) and the outputs cover K channels; k is the outputs' K.
 inline ffi::Error CheckQuantizeGroups(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& s,
-                                      int64_t* rows, int64_t* k) {
-  const std::string op = "quantize_fp8_groups";
+                                      bool silu_mul, int64_t* rows, int64_t* k) {
+  const std::string op = silu_mul ? "silu_mul_quantize_fp8_groups" : "quantize_fp8_groups";
   if (x.element_type() != ffi::BF16 && x.element_type() != ffi::F32)
     return Invalid(op, "x must be bfloat16 or float32");
   auto d = x.dimensions();
-  if (d.size() < 1 || d.back() <= 0 || d.back() % kGroup)
-    return Invalid(op, "x must have its last axis a positive multiple of 128, got " + ShapeStr(d));
-  *k = d.back();
-  *rows = static_cast<int64_t>(x.element_count()) / *k;
-  if (q.element_type() != ffi::F8E4M3FN || q.element_count() != x.element_count())
-    return Invalid(op, "the codes output must be float8_e4m3fn with the shape of x");
+  const int64_t per = silu_mul ? 2 * kGroup : kGroup;
+  if (d.size() < 1 || d.back() <= 0 || d.back() % per)
+    return Invalid(op, "x must have its last axis a positive multiple of " + std::to_string(per) + ", got " +
+                           ShapeStr(d));
+  *k = silu_mul ? d.back() / 2 : d.back();
+  *rows = static_cast<int64_t>(x.element_count()) / d.back();
+  if (q.element_type() != ffi::F8E4M3FN || static_cast<int64_t>(q.element_count()) != *rows * *k)
+    return Invalid(op, silu_mul ? "the codes output must be float8_e4m3fn [..., K] for x [..., 2K]"
+                                : "the codes output must be float8_e4m3fn with the shape of x");
   if (s.element_type() != ffi::F32 || static_cast<int64_t>(s.element_count()) != *rows * (*k / kGroup))
     return Invalid(op, "the scales output must be float32 [..., K/128]");
   return ffi::Error::Success();

@@ -2,6 +2,8 @@
 // one pass. 16 threads per 128-wide group, two groups' 16-byte loads in flight per thread, a 4-step
 // shuffle max, hardware saturating round-to-nearest-even conversion (two codes per instruction).
 // With ue8m0 the scale is rounded up to a power of two *before* the values are divided by it.
+// silu_mul (ops.silu_mul_quantize_fp8_groups): x is [R, 2K], gate then up; each group quantizes
+// silu(gate) * up in float32 (SPEC's MoE activation), so the [R, K] product is never written.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -17,6 +19,9 @@ namespace {
 
 constexpr int kUnroll = 2;       // groups per 16-thread team and iteration: both loads in flight first
 constexpr int kBlocksPerSm = 6;  // resident at <= 40 registers: the grid is exactly one wave
+// float32 gate and up (silu_mul) hold twice the loads: 4 blocks per SM, so that nothing spills.
+template <bool kBf16, bool kSiluMul>
+constexpr int BlocksPerSm() { return kSiluMul && !kBf16 ? 4 : kBlocksPerSm; }
 
 // Eight consecutive inputs of one group, as loaded (kept raw until used: fewer registers in flight).
 template <bool kBf16>
@@ -78,26 +83,40 @@ __device__ __forceinline__ uint2 EncodeEight(const float (&v)[8], float scale, b
   return make_uint2(word[0], word[1]);
 }
 
-template <bool kBf16>
-__global__ void __launch_bounds__(256, kBlocksPerSm) QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales,
-                                                                        int64_t groups, bool ue8m0) {
+// silu(g) * u in float32 (IEEE division, expf: for g << 0 exp(-g) is Inf and silu(g) is -0).
+__device__ __forceinline__ float SiluMul(float g, float u) { return __fdiv_rn(g, 1.0f + expf(-g)) * u; }
+
+template <bool kBf16, bool kSiluMul>
+__global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>())) QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales,
+                                                                        int64_t groups, int64_t row_groups,
+                                                                        bool ue8m0) {
   const int sub = threadIdx.x % 16;  // 16 threads x 8 values = one group
   const int64_t teams = static_cast<int64_t>(gridDim.x) * (blockDim.x / 16);
   const int64_t team = blockIdx.x * static_cast<int64_t>(blockDim.x / 16) + threadIdx.x / 16;
   // Team t takes groups t + j * teams for j < kUnroll, then moves on by kUnroll * teams.
   for (int64_t g0 = team; g0 < groups; g0 += kUnroll * teams) {
-    Raw<kBf16> raw[kUnroll];
+    // Output group g of row g / row_groups; with silu_mul its gate at 2 (g - c) + c (c = g % row_groups, in
+    // groups of 128 inputs), its up row_groups groups further.
+    Raw<kBf16> raw[kUnroll], up[kSiluMul ? kUnroll : 1];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t g = g0 + u * teams;
-      if (g < groups) raw[u] = LoadRaw<kBf16>(x, g * 128 + sub * 8);
+      const int64_t in = kSiluMul ? 2 * g - g % row_groups : g;
+      if (g < groups) raw[u] = LoadRaw<kBf16>(x, in * 128 + sub * 8);
       else raw[u] = Raw<kBf16>{};
+      if constexpr (kSiluMul) up[u] = g < groups ? LoadRaw<kBf16>(x, (in + row_groups) * 128 + sub * 8) : Raw<kBf16>{};
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t g = g0 + u * teams;
       float v[8];
       Unpack<kBf16>(raw[u], v);
+      if constexpr (kSiluMul) {
+        float w[8];
+        Unpack<kBf16>(up[u], w);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) v[i] = SiluMul(v[i], w[i]);
+      }
       float amax = 0.0f;
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
@@ -113,25 +132,36 @@ __global__ void __launch_bounds__(256, kBlocksPerSm) QuantizeGroupsKernel(const 
   }
 }
 
+template <bool kSiluMul>
+void LaunchQuantizeGroups(cudaStream_t stream, int blocks, bool bf16, const void* x, uint8_t* codes, float* scales,
+                          int64_t groups, int64_t row_groups, bool ue8m0) {
+  if (bf16) {
+    QuantizeGroupsKernel<true, kSiluMul><<<blocks, 256, 0, stream>>>(x, codes, scales, groups, row_groups, ue8m0);
+  } else {
+    QuantizeGroupsKernel<false, kSiluMul><<<blocks, 256, 0, stream>>>(x, codes, scales, groups, row_groups, ue8m0);
+  }
+}
+
 ffi::Error QuantizeFp8GroupsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
-                                 ffi::Result<ffi::AnyBuffer> s, bool ue8m0) {
-  int64_t rows = 0, k = 0;
-  if (auto err = CheckQuantizeGroups(x, *q, *s, &rows, &k); err.failure()) return err;
+                                 ffi::Result<ffi::AnyBuffer> s, bool ue8m0, bool silu_mul) {
+  int64_t rows = 0, k = 0;  // k: the output's (quantized) channels
+  if (auto err = CheckQuantizeGroups(x, *q, *s, silu_mul, &rows, &k); err.failure()) return err;
   const int64_t groups = rows * (k / kGroup);
   if (groups == 0) return ffi::Error::Success();
   int sms = 132, dev = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  const int blocks = static_cast<int>(std::min<int64_t>((groups + 16 * kUnroll - 1) / (16 * kUnroll), static_cast<int64_t>(sms) * kBlocksPerSm));
+  const bool bf16 = x.element_type() == ffi::BF16;
+  const int per_sm = silu_mul ? (bf16 ? BlocksPerSm<true, true>() : BlocksPerSm<false, true>()) : kBlocksPerSm;
+  const int blocks = static_cast<int>(
+      std::min<int64_t>((groups + 16 * kUnroll - 1) / (16 * kUnroll), static_cast<int64_t>(sms) * per_sm));
   auto* codes = static_cast<uint8_t*>(q->untyped_data());
   auto* scales = static_cast<float*>(s->untyped_data());
-  if (x.element_type() == ffi::BF16) {
-    QuantizeGroupsKernel<true><<<blocks, 256, 0, stream>>>(x.untyped_data(), codes, scales, groups, ue8m0);
-  } else {
-    QuantizeGroupsKernel<false><<<blocks, 256, 0, stream>>>(x.untyped_data(), codes, scales, groups, ue8m0);
-  }
+  if (silu_mul) LaunchQuantizeGroups<true>(stream, blocks, bf16, x.untyped_data(), codes, scales, groups, k / kGroup, ue8m0);
+  else LaunchQuantizeGroups<false>(stream, blocks, bf16, x.untyped_data(), codes, scales, groups, k / kGroup, ue8m0);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
-    return ffi::Error::Internal(std::string("quantize_fp8_groups: launch failed: ") + cudaGetErrorString(err));
+    return ffi::Error::Internal(std::string(silu_mul ? "silu_mul_quantize_fp8_groups" : "quantize_fp8_groups") +
+                                ": launch failed: " + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -144,5 +174,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8QuantizeFp8GroupsCuda, jax_w4a8::QuantizeFp
                                   .Arg<xla::ffi::AnyBuffer>()   // x
                                   .Ret<xla::ffi::AnyBuffer>()   // codes
                                   .Ret<xla::ffi::AnyBuffer>()   // scales
-                                  .Attr<bool>("ue8m0"),
+                                  .Attr<bool>("ue8m0")
+                                  .Attr<bool>("silu_mul"),
                               {xla::ffi::Traits::kCmdBufferCompatible});
