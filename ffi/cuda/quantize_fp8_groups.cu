@@ -87,9 +87,8 @@ __device__ __forceinline__ uint2 EncodeEight(const float (&v)[8], float scale, b
 __device__ __forceinline__ float SiluMul(float g, float u) { return __fdiv_rn(g, 1.0f + expf(-g)) * u; }
 
 template <bool kBf16, bool kSiluMul>
-__global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>())) QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales,
-                                                                        int64_t groups, int64_t row_groups,
-                                                                        bool ue8m0) {
+__global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>()))
+    QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales, int64_t groups, int64_t row_groups, bool ue8m0) {
   const int sub = threadIdx.x % 16;  // 16 threads x 8 values = one group
   const int64_t teams = static_cast<int64_t>(gridDim.x) * (blockDim.x / 16);
   const int64_t team = blockIdx.x * static_cast<int64_t>(blockDim.x / 16) + threadIdx.x / 16;
@@ -104,7 +103,8 @@ __global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>())) Quantiz
       const int64_t in = kSiluMul ? 2 * g - g % row_groups : g;
       if (g < groups) raw[u] = LoadRaw<kBf16>(x, in * 128 + sub * 8);
       else raw[u] = Raw<kBf16>{};
-      if constexpr (kSiluMul) up[u] = g < groups ? LoadRaw<kBf16>(x, (in + row_groups) * 128 + sub * 8) : Raw<kBf16>{};
+      if constexpr (kSiluMul)
+        up[u] = g < groups ? LoadRaw<kBf16>(x, (in + row_groups) * 128 + sub * 8) : Raw<kBf16>{};
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
@@ -157,8 +157,9 @@ ffi::Error QuantizeFp8GroupsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Res
       std::min<int64_t>((groups + 16 * kUnroll - 1) / (16 * kUnroll), static_cast<int64_t>(sms) * per_sm));
   auto* codes = static_cast<uint8_t*>(q->untyped_data());
   auto* scales = static_cast<float*>(s->untyped_data());
-  if (silu_mul) LaunchQuantizeGroups<true>(stream, blocks, bf16, x.untyped_data(), codes, scales, groups, k / kGroup, ue8m0);
-  else LaunchQuantizeGroups<false>(stream, blocks, bf16, x.untyped_data(), codes, scales, groups, k / kGroup, ue8m0);
+  const void* in = x.untyped_data();
+  if (silu_mul) LaunchQuantizeGroups<true>(stream, blocks, bf16, in, codes, scales, groups, k / kGroup, ue8m0);
+  else LaunchQuantizeGroups<false>(stream, blocks, bf16, in, codes, scales, groups, k / kGroup, ue8m0);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
     return ffi::Error::Internal(std::string(silu_mul ? "silu_mul_quantize_fp8_groups" : "quantize_fp8_groups") +
                                 ": launch failed: " + cudaGetErrorString(err));
