@@ -1,7 +1,7 @@
 """Quick kernel probes for same-machine A/B runs (one process per library build).
 
     python benchmarks/probe_kernels.py prefill   # einsum M=4096 square, grouped GEMM at 4k / 16k rows
-    python benchmarks/probe_kernels.py decode    # grouped GEMM and fused up-projection at 64 .. 4096 rows
+    python benchmarks/probe_kernels.py decode    # grouped GEMM, up-projection (fused / unfused / composed), 64 .. 4096 rows
     python benchmarks/probe_kernels.py small     # latency-bound einsums: kv_a / q_a at 1 and 64 tokens, MLA
                                                  # absorb (128 heads) and V4 wo_a (16 heads) at b = 1 and 64,
                                                  # each next to XLA bf16
@@ -69,7 +69,8 @@ def prefill(key):
 def decode(key):
     import bench_grouped_gemm as B
 
-    for name, n, k, ms in (("gate_up", 4096, 7168, (64, 256, 512, 4096)), ("down", 7168, 2048, (64, 256, 512))):
+    for name, n, k, ms in (("gate_up", 4096, 7168, (64, 256, 512, 1024, 2048, 4096)),
+                           ("down", 7168, 2048, (64, 256, 512))):
         for m in ms:
             sets = [_grouped_case(jax.random.fold_in(key, 100 * m + i), m, n, k, i) for i in range(2)]
             line = f"{name} M={m}:"
@@ -82,7 +83,10 @@ def decode(key):
                 tf = C.bench(fused_up, sets)
                 h8, _ = jax.jit(fused_up)(*sets[0])
                 tu = C.bench(lambda a, sa, w, s, gs: B._unfused_up(ops, a, sa, w, s, gs, n // 2), sets)
-                line += f" | fused {tf * 1e6:7.1f} unfused {tu * 1e6:7.1f} x{tu / tf:.2f} cs {_checksum(h8):.6e}"
+                # the op's composed route (its default above tiling.FUSED_UP_MAX_ROWS rows per expert)
+                tc = C.bench(functools.partial(ops.w4a8_moe_up, fused=False), sets)
+                line += (f" | fused {tf * 1e6:7.1f} unfused {tu * 1e6:7.1f} x{tu / tf:.2f} composed {tc * 1e6:7.1f}"
+                         f" cs {_checksum(h8):.6e}")
             print(line, flush=True)
 
 
