@@ -218,7 +218,13 @@ def test_quantize_fp8_tensor_static(rng):
     x = rng.standard_normal((7, 33)).astype(np.float32) * 10
     s = np.float32(np.abs(x).max() / 448 * 0.5)  # half the range: some values saturate
     got = np.asarray(quant.quantize_fp8_tensor(x, s)).view(np.uint8)
-    np.testing.assert_array_equal(got, _e4m3(x.astype(np.float32) / s).view(np.uint8))
+    # XLA may divide by the broadcast scalar through its reciprocal (one ulp off), which moves a value that
+    # x / s puts just past an e4m3 rounding tie onto it now and then (seed 1012505674: 400.00003 vs 400.0,
+    # codes 125 vs 124): each code is e4m3(x / s) or e4m3(x * (1 / s)), nearly all the first.
+    exact = _e4m3(x.astype(np.float32) / s).view(np.uint8)
+    recip = _e4m3(x.astype(np.float32) * (np.float32(1) / s)).view(np.uint8)
+    assert ((got == exact) | (got == recip)).all()
+    assert np.mean(got == exact) > 0.98
     with pytest.raises(ValueError, match="scalar"):
         quant.quantize_fp8_tensor(x, np.ones(2, np.float32))
 
