@@ -1,7 +1,7 @@
 """Quick kernel probes for same-machine A/B runs (one process per library build).
 
     python benchmarks/probe_kernels.py prefill   # einsum M=4096 square, grouped GEMM at 4k / 16k rows
-    python benchmarks/probe_kernels.py decode    # grouped GEMM, up-projection (fused / unfused / composed), 64 .. 4096 rows
+    python benchmarks/probe_kernels.py decode    # grouped GEMM, up-projection (fused, unfused, composed) to 4096 rows
     python benchmarks/probe_kernels.py small     # latency-bound einsums: kv_a / q_a at 1 and 64 tokens, MLA
                                                  # absorb (128 heads) and V4 wo_a (16 heads) at b = 1 and 64,
                                                  # each next to XLA bf16

@@ -457,8 +457,9 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
                 rows_per_expert=None, tile_tokens=None, mma=None, fused=None):
     """MoE gate+up grouped GEMM fused with SiLU(gate) * up and fp8 quantization for the down projection.
 
-    ``h = silu(gate) * up`` with gate and up the float32 results of :func:`w4a8_grouped_gemm` on the
-    rows [0, I) and [I, 2I) of ``w13``, then:
+    ``h = silu(gate) * up`` with gate and up the results of :func:`w4a8_grouped_gemm` on the rows [0, I) and
+    [I, 2I) of ``w13`` (float32 in the fused kernel and the reference; rounded to bfloat16 in the composed ops
+    below), then:
 
     * ``down_input_scale`` given (static, the checkpoint's per-tensor ``input_scale`` of w2):
       ``h8 = e4m3(clip(h / s))``, returned with ``s``;
@@ -468,7 +469,7 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     On Hopper the CUDA kernel does this in the GEMM epilogue, so the [M, 2I] intermediate never goes
     to memory, up to 64 expected rows per expert. Above (where its 64-token tiles lose to the grouped
     GEMM's 128-token ones: 1.5x slower at 128 rows per expert), and elsewhere, the ops are composed: the
-    grouped GEMM with bfloat16 output (gate and up rounded to bfloat16, 2^-9 relative, as in the unfused
+    grouped GEMM with bfloat16 output (gate and up rounded to bfloat16, up to 2^-8 relative, as in the unfused
     sequence), then SiLU-mul and the quantizer in one pass (:func:`silu_mul_quantize_fp8_groups`; static
     scale or I not a multiple of 128: one XLA fusion).
 

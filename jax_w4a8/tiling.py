@@ -373,7 +373,8 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
                 fused: bool | None = None) -> GemmPlan:
     """Plan for ``w4a8_moe_up``: its fused kernel (gate and up accumulators: token tiles up to 64, no split-K),
     or the composed ops (``kernel="unfused"``: the gate+up grouped GEMM in bf16, then
-    ``ops.silu_mul_quantize_fp8_groups``, SiLU-mul and the quantizer in one pass).
+    ``ops.silu_mul_quantize_fp8_groups``, SiLU-mul and the quantizer in one pass; with a static scale or I not
+    a multiple of 128 SiLU-mul and the quantizer in XLA).
 
     ``fused``: None takes the fused kernel up to ``FUSED_UP_MAX_ROWS`` (64) expected rows per expert, or
     whenever ``tile_tokens`` or ``mma`` is given (they configure it), and the composed ops above: at 128 rows

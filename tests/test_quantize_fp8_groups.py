@@ -76,7 +76,7 @@ def test_silu_mul_kernel_matches_float64(rng, device, dtype, ue8m0):
     (rounded up to a power of two with ue8m0), against the jnp reference too."""
     x = (rng.standard_normal((3, 37, 768)) * np.exp2(rng.uniform(-6, 6, (3, 37, 1)))).astype(np.float32)
     x[0, 0, :128] = 0.0           # an all-zero gate group: h = 0 there, scale from the 1e-4 floor
-    x[1, 2, 300:428] = 0.0        # an all-zero up group
+    x[1, 2, 384:512] = 0.0        # an all-zero up group (up channels are [384, 768))
     x[2, 3, 10] = -1e4            # silu of a large negative gate: -0 (exp(-g) is Inf), not NaN
     x = jnp.asarray(x, dtype)
     f = jax.jit(functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=ue8m0, impl="ffi"))

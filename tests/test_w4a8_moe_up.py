@@ -32,8 +32,8 @@ def check(h8, scale, args, static_scale=None, covered=None):
         assert np.asarray(quant.is_ue8m0_exact(scale)).all()
         amax = np.maximum(np.abs(h).reshape(h.shape[0], -1, 128).max(-1), 1e-4)
         # the scale covers the group (rounded up, never down; the composed ops round gate and up to bfloat16
-        # first: up to 2^-8 relative, in the group maximum too)
-        ok = s >= amax / 448 * (1 - 2.0**-7)
+        # first: up to 2^-8 relative each, about 2.3 * 2^-8 in the group maximum through SiLU's slope)
+        ok = s >= amax / 448 * (1 - 2.0**-6)
         assert ok.all()
     if covered is not None:
         assert (codes[covered:] == 0).all()
@@ -133,7 +133,7 @@ def test_many_rows_per_expert_take_the_composed_ops(rng, device, static):
     """Above FUSED_UP_MAX_ROWS expected rows per expert the op composes the grouped GEMM (bfloat16 out) and
     silu_mul_quantize_fp8_groups (the fused kernel's 64-token tiles lose there): checked against float64 and, on
     the GPU, against the fused kernel forced on the same inputs (codes equal but where the bfloat16 rounding of
-    gate and up, 2^-9 relative, or the float32 summation order crosses an e4m3 rounding boundary)."""
+    gate and up, up to 2^-8 relative, or the float32 summation order crosses an e4m3 rounding boundary)."""
     from jax_w4a8 import tiling
     m, k, inter, sizes = 420, 256, 128, [200, 0, 130, 80]  # 105 expected rows per expert; 10 padding rows
     assert tiling.plan_moe_up(m, len(sizes), inter, k).kernel == "unfused"

@@ -1155,7 +1155,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       } else {
         const uint8_t* x_tile = st + L::kWBytes;
         if constexpr (kFoldX) {
-          // Folded activations are in the thread-major K order (FoldedKOrder): thread c's codes of every K step
+          // Folded activations are in the thread-major K order (StoreFoldedKOrder): thread c's codes of every K step
           // are its 16-byte chunk c of each row, word kc (8 codes) for step kc, converted as loaded.
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
