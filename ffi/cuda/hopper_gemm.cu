@@ -109,31 +109,45 @@ __device__ __forceinline__ bool FoldedCall(const HopperGemmParams& p) {
   return *reinterpret_cast<const volatile int*>(p.x_tok_scale + p.h * p.mp) == 0;
 }
 
-__device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
-  // Four int4 codes (bits 0..15) -> four e4m3 bytes, exactly: two byte-permute lookups by the low
-  // three bits (|v| table for codes 0..7, table for codes -8..-1), then a third permute that takes
-  // byte i from the second table where code i is negative (selector nibble i + 4 * sign_i).
-  const uint32_t idx = nibbles & 0x7777u;
-  uint32_t pos, neg, out;
+// int4 -> e4m3, exactly, four codes at a time: two byte-permute lookups by the low three bits of each code
+// (idx: nibble i = code i & 7) in the |v| table for codes 0..7 (pos) and the table for codes -8..-1 (neg),
+// then a third permute, PickE4m3, that takes byte i from neg where code i is negative (sel: nibble i =
+// i + 4 * sign_i). prmt reads only the low 16 bits of idx and sel.
+__device__ __forceinline__ void Int4E4m3Lookups(uint32_t idx, uint32_t& pos, uint32_t& neg) {
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos) : "r"(0x44403800u), "r"(0x4E4C4A48u), "r"(idx));
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg) : "r"(0xCACCCED0u), "r"(0xB8C0C4C8u), "r"(idx));
-  const uint32_t sel = ((nibbles >> 1) & 0x4444u) | 0x3210u;
+}
+__device__ __forceinline__ uint32_t PickE4m3(uint32_t pos, uint32_t neg, uint32_t sel) {
+  uint32_t out;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(pos), "r"(neg), "r"(sel));
   return out;
 }
 
+// Four int4 codes (bits 0..15) -> four e4m3 bytes.
+__device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
+  uint32_t pos, neg;
+  Int4E4m3Lookups(nibbles & 0x7777u, pos, neg);
+  return PickE4m3(pos, neg, ((nibbles >> 1) & 0x4444u) | 0x3210u);
+}
+
 // Eight int4 codes (one 32-bit word, code j in nibble j) -> e4m3 codes 0..3 in lo and 4..7 in hi, exactly
-// (Int4x4ToE4m3 on each half, the masks and sign selectors computed once for the word).
+// (the index and sign selectors computed once for the word: two instructions fewer than two Int4x4ToE4m3).
 __device__ __forceinline__ void Int4x8ToE4m3(uint32_t w, uint32_t& lo, uint32_t& hi) {
   const uint32_t idx = w & 0x77777777u, idx_hi = idx >> 16;
   uint32_t pos_lo, neg_lo, pos_hi, neg_hi;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos_lo) : "r"(0x44403800u), "r"(0x4E4C4A48u), "r"(idx));
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg_lo) : "r"(0xCACCCED0u), "r"(0xB8C0C4C8u), "r"(idx));
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos_hi) : "r"(0x44403800u), "r"(0x4E4C4A48u), "r"(idx_hi));
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg_hi) : "r"(0xCACCCED0u), "r"(0xB8C0C4C8u), "r"(idx_hi));
+  Int4E4m3Lookups(idx, pos_lo, neg_lo);
+  Int4E4m3Lookups(idx_hi, pos_hi, neg_hi);
   const uint32_t sel = ((w >> 1) & 0x44444444u) | 0x32103210u;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(lo) : "r"(pos_lo), "r"(neg_lo), "r"(sel));
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(hi) : "r"(pos_hi), "r"(neg_hi), "r"(sel >> 16));
+  lo = PickE4m3(pos_lo, neg_lo, sel);
+  hi = PickE4m3(pos_hi, neg_hi, sel >> 16);
+}
+
+// This thread's 16-byte chunks of its fragment rows r and r + 8 (at addr and 8 rows of 64 bytes on) as words:
+// the int4 codes of one 128-K group in the thread-major K order of the f16 and folded paths.
+__device__ __forceinline__ void LoadRowPairChunks(uint32_t addr, uint32_t (&wa)[4], uint32_t (&wb)[4]) {
+  const uint4 qa = sm90::LdShared128(addr), qb = sm90::LdShared128(addr + 8 * 64);
+  wa[0] = qa.x, wa[1] = qa.y, wa[2] = qa.z, wa[3] = qa.w;
+  wb[0] = qb.x, wb[1] = qb.y, wb[2] = qb.z, wb[3] = qb.w;
 }
 
 // Eight int4 codes (one 32-bit word, code j in nibble j) -> four f16x2, exactly, with 5 integer and 4
@@ -1130,10 +1144,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
         uint64_t stage_desc = 0;
 #pragma unroll
         for (int part = 0; part < kParts; ++part) {
-          const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_off;
-          const uint4 qa = sm90::LdShared128(base);
-          const uint4 qb = sm90::LdShared128(base + 8 * 64);
-          const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+          uint32_t wa[4], wb[4];
+          LoadRowPairChunks(sm90::SmemAddr(st + part * L::kWPartBytes) + frag_off, wa, wb);
           uint32_t(&fr)[8][4] = afrag[S][kReuse ? 0 : part];
 #pragma unroll
           for (int t4 = 0; t4 < 4; ++t4) Int4WordsToF16Fragments(wa[t4], wb[t4], fr[2 * t4], fr[2 * t4 + 1]);
@@ -1159,10 +1171,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
           // are its 16-byte chunk c of each row, word kc (8 codes) for step kc, converted as loaded.
 #pragma unroll
           for (int part = 0; part < kParts; ++part) {
-            const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_off;
-            const uint4 qa = sm90::LdShared128(base);
-            const uint4 qb = sm90::LdShared128(base + 8 * 64);
-            const uint32_t wa[4] = {qa.x, qa.y, qa.z, qa.w}, wb[4] = {qb.x, qb.y, qb.z, qb.w};
+            uint32_t wa[4], wb[4];
+            LoadRowPairChunks(sm90::SmemAddr(st + part * L::kWPartBytes) + frag_off, wa, wb);
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc) {
               Int4x8ToE4m3(wa[kc], afrag[S][part][kc][0], afrag[S][part][kc][2]);
