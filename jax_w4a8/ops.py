@@ -400,10 +400,15 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
     return _dispatch(impl, ffi_fn, ffi_fn, ref_fn, x)
 
 
-def _silu_mul_reference(x, ue8m0):
+def _silu_mul(x):
+    """``silu(gate) * up`` in float32 for ``x = [gate, up]`` on the last axis."""
     inter = x.shape[-1] // 2
     x = x.astype(jnp.float32)
-    return quant.quantize_fp8_groups(jax.nn.silu(x[..., :inter]) * x[..., inter:], ue8m0=ue8m0)
+    return jax.nn.silu(x[..., :inter]) * x[..., inter:]
+
+
+def _silu_mul_reference(x, ue8m0):
+    return quant.quantize_fp8_groups(_silu_mul(x), ue8m0=ue8m0)
 
 
 def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, impl="auto"):
@@ -509,12 +514,10 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     def unfused(ffi_impl):
         y = w4a8_grouped_gemm(x, x_scale, w13, w13_scale, group_sizes, impl=ffi_impl,
                               rows_per_expert=rows_per_expert)
-        if static or inter % 128:
-            yf = y.astype(jnp.float32)
-            h = jax.nn.silu(yf[:, :inter]) * yf[:, inter:]
-            if static:
-                return quant.quantize_fp8_tensor(h, down_input_scale), down_input_scale
-            return quant.quantize_fp8_groups(h, ue8m0=True)
+        if static:
+            return quant.quantize_fp8_tensor(_silu_mul(y), down_input_scale), down_input_scale
+        if inter % 128:  # the kernel's groups of 128 do not tile I: XLA
+            return _silu_mul_reference(y, ue8m0=True)
         return silu_mul_quantize_fp8_groups(y, ue8m0=True, impl=ffi_impl)
 
     # Validation of every other argument happens here, at trace time; the plan options are checked on every
