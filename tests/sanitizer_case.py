@@ -49,6 +49,13 @@ def main() -> int:
     for mma, tok in (("e4m3", 128), ("f16", 64), ("f16", 128)):
         for xb8, xbs in (quant.quantize_fp8_groups(xb), quant.quantize_fp8_groups(xb, ue8m0=True)):
             ok &= _grouped_gemm_ok((xb8, xbs, wb, wsb, jnp.asarray([150, 5, 140], jnp.int32)), mma, tok, covered=295)
+    # one per-tensor scale at 128-token e4m3 (the preparation reorders the codes for the folding kernel), K groups
+    # not a multiple of the preparation's four per warp step
+    wc, wsc = quant.quantize_w4(rng.standard_normal((3, 136, 640)).astype(np.float32))
+    xc = rng.standard_normal((300, 640)).astype(np.float32)
+    xc_t = jnp.asarray(np.abs(xc).max() / 448, jnp.float32)
+    ok &= _grouped_gemm_ok((quant.quantize_fp8_tensor(xc, xc_t), xc_t, wc, wsc, jnp.asarray([150, 5, 140], jnp.int32)),
+                           "e4m3", 128, covered=295)
     for n, scales in ((200, "block"), (1, "row"), (576, "block")):
         wf = rng.standard_normal((n, 384)).astype(np.float32)
         w8, sw = quant.quantize_fp8_blocks(wf) if scales == "block" else quant.quantize_fp8_groups(wf)

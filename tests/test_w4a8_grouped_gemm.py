@@ -381,6 +381,7 @@ def _fold_flag(args, device):
     """Whether the e4m3 128-token call on ``args`` ran unfolded (1) or folded (0): the int the preparation sets
     (hopper_gemm.cu FoldTokenActivations), after the scale planes and the token multipliers in the scratch."""
     x8, x_scale, w, w_scale, gs = [jax.device_put(jnp.asarray(a), device) for a in args]
+    x_scale = x_scale.reshape(1) if x_scale.ndim == 0 else x_scale  # the handler takes a per-tensor scale as [1]
     (m, k), (e, n, _) = x8.shape, w.shape
     plan = tiling.plan_grouped_gemm(m, e, n, k, tile_tokens=128, mma="e4m3")
     call = jax.ffi.ffi_call(ops.TARGETS["w4a8_grouped_gemm"],
@@ -392,6 +393,39 @@ def _fold_flag(args, device):
     mp = -(-m // 4) * 4
     at = -(-(k // 128 * mp * 4) // 256) * 256 + mp * 4
     return int(np.asarray(scratch)[at:at + 4].view(np.int32)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("groups", [1, 5, 9, 12])
+@pytest.mark.parametrize("scale_kind", ["ue8m0", "tensor"])
+def test_folded_activations_any_group_count_on_gpu(rng, device, groups, scale_kind):
+    """The preparation writes the folding kernel's activations a warp and eight K groups at a time (hopper_gemm.cu
+    StoreFoldedKOrder): K group counts that are not multiples of four or eight, per-group UE8M0 scales (folded codes)
+    and one per-tensor scale (the codes only reordered), against the unfolded kernel (e4m3 at 64-token tiles) on the
+    same data, where folding is exact, and against float64. 5 experts, 3 padding rows (not read)."""
+    if device.platform != "gpu":
+        pytest.skip("tile configurations exist on the CUDA handler only")
+    m, k, n, sizes = 203, 128 * groups, 136, [70, 0, 57, 1, 72]
+    if scale_kind == "ue8m0":
+        args = _ue8m0_case(rng, m, k, n, sizes, 6)
+        x = np.asarray(args[0].astype(jnp.float32))  # codes at least 2^-3 of their group's largest: exact folding
+        args[0] = jnp.asarray(np.where(np.abs(x) < 2.0 ** -3 * 448, np.sign(x) * 56.0, x), jnp.float8_e4m3fn)
+    else:  # rows of one magnitude (a per-tensor scale would leave small rows few code levels)
+        args = list(make_case(rng, m, k, n, sizes, "tensor"))
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        args[1] = jnp.asarray(np.abs(x).max() / 448, jnp.float32)
+        args[0] = quant.quantize_fp8_tensor(x, args[1])
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", mma="e4m3")
+    out = run_poisoned(functools.partial(fn, tile_tokens=128), (m, n), jnp.float32, args, device)
+    assert _fold_flag(args, device) == 0
+    rows = sum(sizes)
+    _assert_rows_close(out[:rows], np_ref.grouped_gemm(*args)[:rows])
+    base = np.asarray(jax.jit(functools.partial(fn, tile_tokens=64))(*[jax.device_put(jnp.asarray(a), device)
+                                                                      for a in args]))
+    # UE8M0: the same sums up to float32 order; per tensor the folding kernel's K order within a group differs from
+    # the caller's (the tensor cores' fp8 sums keep about 14 bits, so the order shows at about 1e-4)
+    atol = (2e-5 if scale_kind == "ue8m0" else 3e-4) * np.abs(base[:rows]).max()
+    np.testing.assert_allclose(out[:rows], base[:rows], rtol=0, atol=atol)
 
 
 @pytest.mark.gpu

@@ -1536,34 +1536,31 @@ __device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
 // row the int4 codes [32 c + 8 kc, + 8) (word kc of its 16-byte chunk c; Int4x8ToE4m3 puts codes + 0..3 in the
 // step's columns 4 c + j and + 4..7 in 16 + 4 c + j). So step kc's column 4 c + j holds activation
 // 32 c + 8 kc + j and column 16 + 4 c + j activation 32 c + 8 kc + 4 + j: in 4-byte words, word 8 kc + c of a
-// folded group is word 8 c + 2 kc of the caller's, word 8 kc + 4 + c is word 8 c + 2 kc + 1. One group's 32
-// words r (caller's order) to dst in that order:
-__device__ __forceinline__ void StoreFoldedKOrder(const uint32_t (&r)[32], uint8_t* dst) {
-  uint4* d = reinterpret_cast<uint4*>(dst);
-#pragma unroll
-  for (int kc = 0; kc < 4; ++kc) {
-    d[2 * kc] = uint4{r[2 * kc], r[8 + 2 * kc], r[16 + 2 * kc], r[24 + 2 * kc]};
-    d[2 * kc + 1] = uint4{r[2 * kc + 1], r[9 + 2 * kc], r[17 + 2 * kc], r[25 + 2 * kc]};
-  }
+// folded group is word 8 c + 2 kc of the caller's, word 8 kc + 4 + c is word 8 c + 2 kc + 1; that is, the folded
+// group's 16-byte chunk c is the caller's words c, c + 8, c + 16, c + 24.
+// StoreFoldedKOrder writes it a warp and four groups at a time: lane (q, c) = (lane / 8, lane % 8) holds chunk c
+// (words 4 c .. 4 c + 3) of its group q and stores the group's folded chunk c, gathered through the warp's stage
+// of shared memory (groups 40 words apart: the gathering loads hit 32 different banks). Each warp instruction
+// loads and stores 512 contiguous bytes where the four groups are contiguous (a lane per group, as before, took
+// 58 us for M = 4096, K = 7168 on the H200). dst: the group's folded codes (nullptr: none for this lane's group);
+// every lane of the warp calls it.
+constexpr int kFoldStageWords = 4 * 40;
+__device__ __forceinline__ void StoreFoldedKOrder(uint4 v, uint8_t* dst, uint32_t* stage, int lane) {
+  const int q = lane / 8, c = lane % 8;
+  __syncwarp();  // the stage's previous gathers are done
+  reinterpret_cast<uint4*>(stage + 40 * q)[c] = v;
+  __syncwarp();
+  const uint32_t* src = stage + 40 * q + c;
+  if (dst != nullptr) reinterpret_cast<uint4*>(dst)[c] = uint4{src[0], src[8], src[16], src[24]};
 }
 
-// One group of 128 codes from src to dst in the folded K order, each 4-code word passed through op.
-template <typename Op>
-__device__ __forceinline__ void CopyGroupFoldedKOrder(const uint8_t* src, uint8_t* dst, Op op) {
-  uint32_t r[32];
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint4 v = reinterpret_cast<const uint4*>(src)[i];
-    r[4 * i] = op(v.x), r[4 * i + 1] = op(v.y), r[4 * i + 2] = op(v.z), r[4 * i + 3] = op(v.w);
-  }
-  StoreFoldedKOrder(r, dst);
-}
+__device__ __forceinline__ uint4 LoadChunk(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
 // One token row and head (a warp; warp-uniform): its folded codes into xf (per-group scales) and its multiplier;
 // the call's flag set if it cannot be folded (above).
 __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t row, int64_t head, int64_t h,
                                      int64_t groups, int64_t mp, const uint8_t* x, uint8_t* xf, float* tok_scale,
-                                     int* flag, int lane) {
+                                     int* flag, uint32_t* stage, int lane) {
   constexpr float kMinNormal = 1.17549435e-38f;
   // Scales first (cheap): the largest |s|, and every nonzero |s| a power of two times it (NaN fails both tests).
   float s_max = 0.0f;
@@ -1583,6 +1580,7 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
   // skipped: they reach the output through their own products), then the lift j.
   float t = 0.0f;
   if (__all_sync(0xffffffffu, fold)) {
+#pragma unroll 4
     for (int64_t g = lane / 8; g < groups; g += 4) {
       const uint4 v = *reinterpret_cast<const uint4*>(xr + g * kKGroup + 16 * (lane % 8));
       uint32_t m4 = __vmaxu4(__vmaxu4(v.x & 0x7F7F7F7Fu, v.y & 0x7F7F7F7Fu), __vmaxu4(v.z & 0x7F7F7F7Fu, v.w & 0x7F7F7F7Fu));
@@ -1612,11 +1610,21 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
     if (!fold) *flag = 1;
   }
   if (!fold) return;
-  for (int64_t g = lane; g < groups; g += 32) {  // a lane per group, written in the folded K order
+  // Four groups per warp step (lane: group g0 + lane / 8, chunk lane % 8), written in the folded K order; two steps'
+  // loads in flight.
+  auto fold_chunk = [&](int64_t g) {
+    if (g >= groups) return uint4{0u, 0u, 0u, 0u};
     const float s = ActScaleAt(src, kind, row, head, h, groups, g);
     const float r = s_max > 0.0f ? ldexpf(__fdiv_rn(s, s_max), j) : 0.0f;  // 2^-149 .. 2^15, or 0
     const uint32_t r2 = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(r))) * 0x10001u;
-    CopyGroupFoldedKOrder(xr + g * kKGroup, yr + g * kKGroup, [r2](uint32_t v) { return ScaleE4m3x4(v, r2); });
+    const uint4 v = LoadChunk(xr + g * kKGroup + 16 * (lane % 8));
+    return uint4{ScaleE4m3x4(v.x, r2), ScaleE4m3x4(v.y, r2), ScaleE4m3x4(v.z, r2), ScaleE4m3x4(v.w, r2)};
+  };
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int64_t ga = g0 + lane / 8, gb = ga + 4;
+    const uint4 a = fold_chunk(ga), b = fold_chunk(gb);
+    StoreFoldedKOrder(a, ga < groups ? yr + ga * kKGroup : nullptr, stage, lane);
+    StoreFoldedKOrder(b, gb < groups ? yr + gb * kKGroup : nullptr, stage + kFoldStageWords, lane);
   }
 }
 
@@ -1632,6 +1640,8 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
                                        const uint8_t* x, uint16_t* xh, float* tok_scale, uint8_t* xf,
                                        bool zero_pad) {
   sm90::LaunchDependents();  // the GEMM's blocks may start (they wait for this grid before reading its output)
+  // fold_x: each warp's two stages for the folded K order (StoreFoldedKOrder); the kernel runs 256 threads.
+  __shared__ uint32_t fold_stage[8][2 * kFoldStageWords];
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t thread = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (xh != nullptr) {
@@ -1672,15 +1682,26 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
     if (kind == ActScaleKind::kGroupF32 || kind == ActScaleKind::kGroupUe8m0) {
       // per-group scales: a warp per token row and head (warp-uniform loop, as above)
       for (int64_t w = thread / 32; w < rows_used * h; w += stride / 32)
-        FoldTokenActivations(src, kind, w / h, w % h, h, groups, mp, x, xf, tok_scale, flag, threadIdx.x % 32);
+        FoldTokenActivations(src, kind, w / h, w % h, h, groups, mp, x, xf, tok_scale, flag,
+                             fold_stage[threadIdx.x / 32], threadIdx.x % 32);
     } else {  // per tensor or per token: nothing to fold; the scale is the multiplier, the codes only reordered
       for (int64_t i = thread; i < rows_used * h; i += stride) {
         const float s = ActScaleAt(src, kind, i / h, i % h, h, groups, 0);
         tok_scale[(i % h) * mp + i / h] = s;
         if (!(fabsf(s) >= 1.17549435e-38f && isfinite(s))) *flag = 1;  // 0 * Inf: the unfolded kernel
       }
-      for (int64_t i = thread; i < rows_used * h * groups; i += stride)
-        CopyGroupFoldedKOrder(x + i * kKGroup, xf + i * kKGroup, [](uint32_t v) { return v; });
+      // the codes reordered: a warp per eight groups of the flat [rows, heads, groups] order, two steps of four
+      // (warp-uniform loop, as above)
+      const int64_t n_groups = rows_used * h * groups;
+      const int lane = threadIdx.x % 32;
+      uint32_t* stage = fold_stage[threadIdx.x / 32];
+      for (int64_t i0 = thread / 32 * 8; i0 < n_groups; i0 += stride / 32 * 8) {
+        const int64_t ia = i0 + lane / 8, ib = ia + 4;
+        const uint4 a = ia < n_groups ? LoadChunk(x + ia * kKGroup + 16 * (lane % 8)) : uint4{0u, 0u, 0u, 0u};
+        const uint4 b = ib < n_groups ? LoadChunk(x + ib * kKGroup + 16 * (lane % 8)) : uint4{0u, 0u, 0u, 0u};
+        StoreFoldedKOrder(a, ia < n_groups ? xf + ia * kKGroup : nullptr, stage, lane);
+        StoreFoldedKOrder(b, ib < n_groups ? xf + ib * kKGroup : nullptr, stage + kFoldStageWords, lane);
+      }
     }
   }
   for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
