@@ -90,6 +90,8 @@ template <bool kBf16, bool kSiluMul>
 __global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>()))
     QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales, int64_t groups, int64_t row_groups, bool ue8m0) {
   const int sub = threadIdx.x % 16;  // 16 threads x 8 values = one group
+  // The team's own lanes: a warp's two teams may leave the loop an iteration apart (their groups differ by one).
+  const unsigned team_mask = 0xFFFFu << (threadIdx.x & 16);
   const int64_t teams = static_cast<int64_t>(gridDim.x) * (blockDim.x / 16);
   const int64_t team = blockIdx.x * static_cast<int64_t>(blockDim.x / 16) + threadIdx.x / 16;
   // Team t takes groups t + j * teams for j < kUnroll, then moves on by kUnroll * teams.
@@ -121,7 +123,7 @@ __global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>()))
 #pragma unroll
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
-      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, off));
+      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(team_mask, amax, off));
       float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
       if (ue8m0) scale = CeilToUe8m0(scale);
       if (g < groups) {
