@@ -6,6 +6,11 @@
     ncu --import decode64.ncu-rep --page source --print-source sass --csv > decode64.csv
     python benchmarks/ncu_summary.py decode64.csv
 
+Every kernel of a call with its duration (the preparation kernels too: how the folding preparation's 58 us of a
+530 us prefill call was found):
+
+    ncu --clock-control none --metrics gpu__time_duration.sum python benchmarks/profile_case.py prefill4k_fold
+
 Cases: decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
 (the down projection, N = 7168, K = 2048, same kernel), decode512 / down512 (the same at M = 512: the plan's
 32-token f16 kernel, whole tiles), fused64 / fused512 (ops.w4a8_moe_up on the same gate+up weights: the fused
