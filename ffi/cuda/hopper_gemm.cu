@@ -1540,9 +1540,9 @@ __device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
 // group's 16-byte chunk c is the caller's words c, c + 8, c + 16, c + 24.
 // StoreFoldedKOrder writes it a warp and four groups at a time: lane (q, c) = (lane / 8, lane % 8) holds chunk c
 // (words 4 c .. 4 c + 3) of its group q and stores the group's folded chunk c, gathered through the warp's stage
-// of shared memory (groups 40 words apart: the gathering loads hit 32 different banks). Each warp instruction
-// loads and stores 512 contiguous bytes where the four groups are contiguous (a lane per group, as before, took
-// 58 us for M = 4096, K = 7168 on the H200). dst: the group's folded codes (nullptr: none for this lane's group);
+// of shared memory (groups 40 words apart: the gathering loads hit 32 different banks). The callers' 16-byte loads
+// and these stores move 512 contiguous bytes per warp instruction where the four groups are contiguous (a lane
+// per group, the former scheme, took 58 us for M = 4096, K = 7168 on the H200). dst: the group's folded codes (nullptr: none for this lane's group);
 // every lane of the warp calls it.
 constexpr int kFoldStageWords = 4 * 40;
 __device__ __forceinline__ void StoreFoldedKOrder(uint4 v, uint8_t* dst, uint32_t* stage, int lane) {
@@ -1641,7 +1641,7 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
                                        bool zero_pad) {
   sm90::LaunchDependents();  // the GEMM's blocks may start (they wait for this grid before reading its output)
   // fold_x: each warp's two stages for the folded K order (StoreFoldedKOrder); the kernel runs 256 threads.
-  __shared__ uint32_t fold_stage[8][2 * kFoldStageWords];
+  __shared__ __align__(16) uint32_t fold_stage[8][2 * kFoldStageWords];  // 16-byte stores (StoreFoldedKOrder)
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t thread = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (xh != nullptr) {
