@@ -1556,6 +1556,18 @@ __device__ __forceinline__ void StoreFoldedKOrder(uint4 v, uint8_t* dst, uint32_
 
 __device__ __forceinline__ uint4 LoadChunk(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
+// Groups i0 .. i0 + 7 of n (fewer at the end) into dst in the folded K order, in two warp steps of four groups whose
+// chunks are all loaded first: chunk(i) is this lane's 16 bytes (chunk lane % 8) of group i < n, as written.
+template <typename Chunk>
+__device__ __forceinline__ void StoreEightGroupsFolded(int64_t i0, int64_t n, Chunk chunk, uint8_t* dst,
+                                                       uint32_t* stage, int lane) {
+  const int64_t ia = i0 + lane / 8, ib = ia + 4;
+  const uint4 zero{0u, 0u, 0u, 0u};
+  const uint4 a = ia < n ? chunk(ia) : zero, b = ib < n ? chunk(ib) : zero;
+  StoreFoldedKOrder(a, ia < n ? dst + ia * kKGroup : nullptr, stage, lane);
+  StoreFoldedKOrder(b, ib < n ? dst + ib * kKGroup : nullptr, stage + kFoldStageWords, lane);
+}
+
 // One token row and head (a warp; warp-uniform): its folded codes into xf (per-group scales) and its multiplier;
 // the call's flag set if it cannot be folded (above).
 __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t row, int64_t head, int64_t h,
@@ -1610,22 +1622,15 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
     if (!fold) *flag = 1;
   }
   if (!fold) return;
-  // Four groups per warp step (lane: group g0 + lane / 8, chunk lane % 8), written in the folded K order; two steps'
-  // loads in flight.
+  // Eight groups per warp step, written in the folded K order.
   auto fold_chunk = [&](int64_t g) {
-    if (g >= groups) return uint4{0u, 0u, 0u, 0u};
     const float s = ActScaleAt(src, kind, row, head, h, groups, g);
     const float r = s_max > 0.0f ? ldexpf(__fdiv_rn(s, s_max), j) : 0.0f;  // 2^-149 .. 2^15, or 0
     const uint32_t r2 = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(r))) * 0x10001u;
     const uint4 v = LoadChunk(xr + g * kKGroup + 16 * (lane % 8));
     return uint4{ScaleE4m3x4(v.x, r2), ScaleE4m3x4(v.y, r2), ScaleE4m3x4(v.z, r2), ScaleE4m3x4(v.w, r2)};
   };
-  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-    const int64_t ga = g0 + lane / 8, gb = ga + 4;
-    const uint4 a = fold_chunk(ga), b = fold_chunk(gb);
-    StoreFoldedKOrder(a, ga < groups ? yr + ga * kKGroup : nullptr, stage, lane);
-    StoreFoldedKOrder(b, gb < groups ? yr + gb * kKGroup : nullptr, stage + kFoldStageWords, lane);
-  }
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) StoreEightGroupsFolded(g0, groups, fold_chunk, yr, stage, lane);
 }
 
 // Activation scales into the kernel's layout, and the split-K workspace cleared (n_zero floats): one
@@ -1690,18 +1695,13 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
         tok_scale[(i % h) * mp + i / h] = s;
         if (!(fabsf(s) >= 1.17549435e-38f && isfinite(s))) *flag = 1;  // 0 * Inf: the unfolded kernel
       }
-      // the codes reordered: a warp per eight groups of the flat [rows, heads, groups] order, two steps of four
-      // (warp-uniform loop, as above)
+      // the codes reordered: a warp per eight groups of the flat [rows, heads, groups] order (warp-uniform loop, as
+      // above)
       const int64_t n_groups = rows_used * h * groups;
       const int lane = threadIdx.x % 32;
-      uint32_t* stage = fold_stage[threadIdx.x / 32];
-      for (int64_t i0 = thread / 32 * 8; i0 < n_groups; i0 += stride / 32 * 8) {
-        const int64_t ia = i0 + lane / 8, ib = ia + 4;
-        const uint4 a = ia < n_groups ? LoadChunk(x + ia * kKGroup + 16 * (lane % 8)) : uint4{0u, 0u, 0u, 0u};
-        const uint4 b = ib < n_groups ? LoadChunk(x + ib * kKGroup + 16 * (lane % 8)) : uint4{0u, 0u, 0u, 0u};
-        StoreFoldedKOrder(a, ia < n_groups ? xf + ia * kKGroup : nullptr, stage, lane);
-        StoreFoldedKOrder(b, ib < n_groups ? xf + ib * kKGroup : nullptr, stage + kFoldStageWords, lane);
-      }
+      auto chunk = [&](int64_t i) { return LoadChunk(x + i * kKGroup + 16 * (lane % 8)); };
+      for (int64_t i0 = thread / 32 * 8; i0 < n_groups; i0 += stride / 32 * 8)
+        StoreEightGroupsFolded(i0, n_groups, chunk, xf, fold_stage[threadIdx.x / 32], lane);
     }
   }
   for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
