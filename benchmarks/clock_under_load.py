@@ -10,6 +10,7 @@ A kernel that `ncu` times faster in one launch than the loop does may be clocked
 """
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
