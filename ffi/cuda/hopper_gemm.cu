@@ -1545,6 +1545,7 @@ __device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
 // per group, the former scheme, took 58 us for M = 4096, K = 7168 on the H200). dst: the group's folded codes (nullptr: none for this lane's group);
 // every lane of the warp calls it.
 constexpr int kFoldStageWords = 4 * 40;
+constexpr size_t kPrepFoldSmemBytes = 8 * 2 * kFoldStageWords * sizeof(uint32_t);  // 8 warps, two stages each
 __device__ __forceinline__ void StoreFoldedKOrder(uint4 v, uint8_t* dst, uint32_t* stage, int lane) {
   const int q = lane / 8, c = lane % 8;
   __syncwarp();  // the stage's previous gathers are done
@@ -1645,8 +1646,11 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
                                        const uint8_t* x, uint16_t* xh, float* tok_scale, uint8_t* xf,
                                        bool zero_pad) {
   sm90::LaunchDependents();  // the GEMM's blocks may start (they wait for this grid before reading its output)
-  // fold_x: each warp's two stages for the folded K order (StoreFoldedKOrder); the kernel runs 256 threads.
-  __shared__ __align__(16) uint32_t fold_stage[8][2 * kFoldStageWords];  // 16-byte stores (StoreFoldedKOrder)
+  // fold_x: each warp's two stages for the folded K order (StoreFoldedKOrder; 16-byte stores), in dynamic shared
+  // memory that only a fold_x launch asks for (kPrepFoldSmemBytes, 256 threads): other launches' blocks take none,
+  // so that the GEMM's blocks, launched as this grid's dependents, find the SM's shared memory free beside them.
+  extern __shared__ __align__(16) uint32_t prep_fold_smem[];
+  uint32_t* const fold_stage = prep_fold_smem + (threadIdx.x / 32) * (2 * kFoldStageWords);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const int64_t thread = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (xh != nullptr) {
@@ -1688,7 +1692,7 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       // per-group scales: a warp per token row and head (warp-uniform loop, as above)
       for (int64_t w = thread / 32; w < rows_used * h; w += stride / 32)
         FoldTokenActivations(src, kind, w / h, w % h, h, groups, mp, x, xf, tok_scale, flag,
-                             fold_stage[threadIdx.x / 32], threadIdx.x % 32);
+                             fold_stage, threadIdx.x % 32);
     } else {  // per tensor or per token: nothing to fold; the scale is the multiplier, the codes only reordered
       for (int64_t i = thread; i < rows_used * h; i += stride) {
         const float s = ActScaleAt(src, kind, i / h, i % h, h, groups, 0);
@@ -1701,7 +1705,7 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
       const int lane = threadIdx.x % 32;
       auto chunk = [&](int64_t i) { return LoadChunk(x + i * kKGroup + 16 * (lane % 8)); };
       for (int64_t i0 = thread / 32 * 8; i0 < n_groups; i0 += stride / 32 * 8)
-        StoreEightGroupsFolded(i0, n_groups, chunk, xf, fold_stage[threadIdx.x / 32], lane);
+        StoreEightGroupsFolded(i0, n_groups, chunk, xf, fold_stage, lane);
     }
   }
   for (int64_t i = thread; i < n_zero; i += stride) zero[i] = 0.0f;
@@ -2019,7 +2023,7 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
                                    f16_x ? p.m * p.h * (p.k / kKGroup) * 16 : int64_t{0},
                                    p.fold_x ? p.m * p.h * 32 : int64_t{0}});
     const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t{dev.sms} * 8));
-    PrepareActScalesKernel<<<blocks, 256, 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
+    PrepareActScalesKernel<<<blocks, 256, p.fold_x ? kPrepFoldSmemBytes : 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
                                                        p.split_ws, n_zero,
                                                        zero_padding || p.fold_x ? p.group_sizes : nullptr,
                                                        p.b, p.out, p.out_bf16, p.f,
