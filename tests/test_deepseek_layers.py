@@ -430,6 +430,27 @@ def test_fake_quant_fp8_groups(rng):
         np.testing.assert_allclose(got, want, rtol=0.126)
 
 
+@pytest.mark.parametrize("shape", [(5, 384), (3, 2, 256)])
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_quantize_act_groups_matches_numpy_and_takes_the_kernel(rng, shape, ue8m0):
+    """The model's activation quantizer (the ops kernel): e4m3 codes times scales as float64 numpy's, and the
+    kernel's custom call in the lowered program."""
+    x = (rng.standard_normal(shape) * rng.choice([1e-3, 1.0, 300.0], shape[:-1] + (1,))).astype(np.float32)
+    x[0, ..., :128] = 0.0  # an all-zero group: the 1e-4 floor, codes 0
+    q, s = layers.quantize_act_groups(jnp.asarray(x), ue8m0)
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == shape and s.shape == shape[:-1] + (shape[-1] // 128,)
+    deq = np.asarray(q, np.float64).reshape(*shape[:-1], -1, 128) * np.asarray(s, np.float64)[..., None]
+    same = np.isclose(deq.reshape(shape), np_fake_quant_fp8(x, ue8m0), rtol=1e-6, atol=1e-30)
+    assert same.sum() >= same.size - 1, np.nonzero(~same)  # (the reciprocal note above)
+    assert not np.asarray(q, np.float32)[0, ..., :128].any()
+    if ue8m0:
+        assert np.all(np.frexp(np.asarray(s))[0] == 0.5)  # powers of two
+    text = jax.jit(lambda v: layers.quantize_act_groups(v, ue8m0)).lower(jnp.asarray(x)).as_text()
+    assert "jax_w4a8_quantize_fp8_groups" in text
+    with pytest.raises(ValueError, match="x"):
+        layers.quantize_act_groups(jnp.asarray(x[..., :200]), ue8m0)
+
+
 def test_linear_ue8m0_passes_codes_without_host_check():
     """UE8M0 scales travel as 1-byte codes: no pack_ue8m0 call (a host-syncing check) in a forward."""
     lin = layers.Linear(256, 128, quant="fp8", dtype=jnp.bfloat16, ue8m0=True, rngs=nnx.Rngs(0))

@@ -13,12 +13,12 @@ Linear formats (``Linear.quant``):
 
 * ``"none"``: ``weight`` [N, K] in ``dtype``; ``einsum("...k,nk->...n")``.
 * ``"fp8"``: ``weight`` e4m3 [N, K] + ``weight_scale_inv`` fp32 [ceil(N/128), ceil(K/128)] (DeepSeek-V3
-  blocks). Activations are quantized per token and 128-channel group (``quant.quantize_fp8_groups``;
-  power-of-two scales when ``ue8m0``) and multiplied by ``ops.fp8_einsum("md,nd->mn")``. When K is not a
-  multiple of 128 (only tiny test models; every DeepSeek dim is), activations and weights are
-  zero-padded along K to the next multiple: exact, since padded channels contribute 0 and a partial
-  group's amax is that of its real channels (the checkpoint rule "edge blocks are zero-padded before
-  amax").
+  blocks). Activations are quantized per token and 128-channel group (:func:`quantize_act_groups`: the
+  ``ops.quantize_fp8_groups`` kernel; power-of-two scales when ``ue8m0``) and multiplied by
+  ``ops.fp8_einsum("md,nd->mn")``. When K is not a multiple of 128 (only tiny test models; every DeepSeek
+  dim is), activations and weights are zero-padded along K to the next multiple: exact, since padded
+  channels contribute 0 and a partial group's amax is that of its real channels (the checkpoint rule "edge
+  blocks are zero-padded before amax").
 
 Routed experts (``Experts.quant``): ``"none"`` (``jax.lax.ragged_dot``), ``"fp8"`` (weights dequantized to
 ``dtype`` per call, activations fake-quantized per token-group, then ``ragged_dot``: a correct but slow
@@ -42,7 +42,7 @@ from jax_w4a8.models.deepseek.config import DeepseekConfig, QuantConfig
 __all__ = [
     "rms_norm", "rope_inv_freq", "rope_cos_sin", "apply_rope", "route", "mla_attention", "mla_latent_attention",
     "silu_mul",
-    "fake_quant_fp8_groups",
+    "fake_quant_fp8_groups", "quantize_act_groups",
     "RMSNorm", "Embed", "Linear", "TopkRouter", "Experts", "MLP", "MoE", "MLA", "DecoderLayer",
 ]
 
@@ -291,9 +291,18 @@ def fake_quant_fp8_groups(x, ue8m0: bool = False, dtype=None):
     """
     k = x.shape[-1]
     xp = _pad_last(x)
-    x8, s = qlib.quantize_fp8_groups(xp, BLOCK, ue8m0)
+    x8, s = quantize_act_groups(xp, ue8m0)
     deq = x8.astype(F32).reshape(*xp.shape[:-1], -1, BLOCK) * s[..., None]
     return deq.reshape(xp.shape)[..., :k].astype(dtype or x.dtype)
+
+
+def quantize_act_groups(x, ue8m0: bool = False):
+    """Activations to e4m3 per token and 128-channel group: :func:`jax_w4a8.ops.quantize_fp8_groups`, one kernel
+    pass, bitwise equal to its reference :func:`jax_w4a8.quant.quantize_fp8_groups`.
+
+    Args: x bf16 / fp32 [..., K], K a multiple of 128 (callers zero-pad first, :func:`_pad_last`).
+    Returns: (e4m3 [..., K], fp32 scales [..., K / 128]; powers of two when ``ue8m0``)."""
+    return ops.quantize_fp8_groups(x, BLOCK, ue8m0)
 
 
 def _check_w4_dims(k: int, what: str):
@@ -364,7 +373,7 @@ class Linear(nnx.Module):
         else:
             x2 = _pad_last(x.reshape(-1, k))
             w = _pad_last(self.weight[...])
-            x8, xs = qlib.quantize_fp8_groups(x2, BLOCK, self.ue8m0)
+            x8, xs = quantize_act_groups(x2, self.ue8m0)
             ws = self.weight_scale_inv[...]
             if self.ue8m0:
                 # Powers of two by construction (the quantizer rounds them, the loader checks the
@@ -478,7 +487,7 @@ class Experts(nnx.Module):
             s = jnp.max(input_scale).astype(F32)
             x8, xs = qlib.quantize_fp8_tensor(x, s), s
         else:
-            x8, xs = qlib.quantize_fp8_groups(x, BLOCK, self.ue8m0)
+            x8, xs = quantize_act_groups(x, self.ue8m0)
         return ops.w4a8_grouped_gemm(x8, xs, w, w_scale, group_sizes, out_dtype=self.dtype)
 
     def __call__(self, x_sorted, group_sizes):
@@ -658,14 +667,14 @@ class MLA(nnx.Module):
         codes = qlib.encode_ue8m0 if ue8m0 else (lambda v: v)
         fp8 = "w_kT_scale" in a
         if fp8:
-            q8, qs = qlib.quantize_fp8_groups(q_nope.reshape(b * t, h, dn), BLOCK, ue8m0)
+            q8, qs = quantize_act_groups(q_nope.reshape(b * t, h, dn), ue8m0)
             q_lat = ops.fp8_einsum("bhd,hrd->bhr", q8, codes(qs), a["w_kT"], codes(a["w_kT_scale"]), out_dtype=dtype)
             q_lat = q_lat.reshape(b, t, h, -1)
         else:
             q_lat = _einsum_f32("bthd,hrd->bthr", q_nope, a["w_kT"].astype(dtype), dtype).astype(dtype)
         o_lat = mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, c.softmax_scale)
         if fp8:
-            o8, os_ = qlib.quantize_fp8_groups(o_lat.reshape(b * t, h, -1), BLOCK, ue8m0)
+            o8, os_ = quantize_act_groups(o_lat.reshape(b * t, h, -1), ue8m0)
             o = ops.fp8_einsum("bhr,hdr->bhd", o8, codes(os_), a["w_v"], codes(a["w_v_scale"]), out_dtype=dtype)
         else:
             o = _einsum_f32("bthr,hdr->bthd", o_lat, a["w_v"].astype(dtype), dtype).astype(dtype)
