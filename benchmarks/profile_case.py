@@ -15,7 +15,8 @@ Cases: decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 ker
 (the down projection, N = 7168, K = 2048, same kernel), decode512 / down512 (the same at M = 512: the plan's
 32-token f16 kernel, whole tiles), fused64 / fused512 (ops.w4a8_moe_up on the same gate+up weights: the fused
 8- / 32-token f16 kernels), absorb_o1
-(MLA absorb_o, 128 heads, b = 1), kv_a1 / kv_a64 (576 x 7168 at one / 64 tokens), square64 (einsum N = K = 7168
+(MLA absorb_o, 128 heads, b = 1), kv_a1 / kv_a64 (576 x 7168 at one / 64 tokens), o_proj1 (7168 x 16384 at one
+token: the einsum's decode kernel, Fp8DecodeKernel), square64 (einsum N = K = 7168
 at 64 tokens: the 64-token kernel under stream-K), square4096 (einsum M = N = K = 7168 /
 4096 tokens: the 192-token kernel), prefill4k_e4m3 / prefill4k_f16 / prefill16k_e4m3 / prefill16k_f16 (grouped
 gate+up at M = 4096 / 16384 on the 128-token kernel, e4m3 or f16 MMA), down4k_e4m3 (the down projection at M = 4096
@@ -37,7 +38,7 @@ from jax_w4a8 import ops, quant  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
 CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "absorb_o1", "kv_a1", "kv_a64",
-         "square64", "square4096", "prefill4k_e4m3", "prefill4k_f16", "prefill16k_e4m3", "prefill16k_f16",
+         "o_proj1", "square64", "square4096", "prefill4k_e4m3", "prefill4k_f16", "prefill16k_e4m3", "prefill16k_f16",
          "down4k_e4m3", "prefill4k_fold", "down4k_fold")
 
 
@@ -73,6 +74,8 @@ def build(case, key):
         return _einsum_case(key, "bhr,hdr->bhd", (1, 128, 512), (128, 128, 512))
     if case == "kv_a1":
         return _einsum_case(key, "md,nd->mn", (1, 7168), (576, 7168))
+    if case == "o_proj1":
+        return _einsum_case(key, "md,nd->mn", (1, 16384), (7168, 16384))
     if case == "kv_a64":
         return _einsum_case(key, "md,nd->mn", (64, 7168), (576, 7168))
     if case == "square64":
