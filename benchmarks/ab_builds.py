@@ -9,7 +9,9 @@ of one build move 5-17% between processes on the H200 (RESULTS.md, twenty-third 
 in `--rounds` fresh processes, alternating (A B, then B A, ...; use an even number so that every build runs
 first equally often), each timing its cases `--timings` times; the summary gives each process's median, their
 median per build, each build's over the first build's, and whether the outputs' checksums equal the first
-build's.
+build's. `--deadline SECONDS` bounds the timed rounds' wall clock (a device call's limit): no round starts that
+the slowest process so far says would end past it, and the summary then covers the complete rounds (a run
+killed from outside prints nothing: the thirty-third session lost a 400 s A/B that way).
 
 Guards against timing the wrong library: each worker checks that `jax_w4a8` and its compiled modules were
 imported from its folder (an editable install's import redirect is bypassed), that a source checkout's build
@@ -32,6 +34,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = pathlib.Path(__file__).resolve().parent
 CASE_SETS = ("decode", "einsum", "prefill", "tiny")
@@ -178,6 +181,8 @@ def main(argv=None):
     p.add_argument("--timings", type=int, default=2, help="timings per case in each process")
     p.add_argument("--allow-same", action="store_true", help="run even if two builds have the same fingerprint")
     p.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
+    p.add_argument("--deadline", type=float, help="seconds for all timed rounds: no round starts that would end "
+                   "past it (judged by the slowest process so far); the summary covers the complete rounds")
     p.add_argument("--out", help="folder for ab_builds.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
@@ -208,14 +213,21 @@ def main(argv=None):
         raise SystemExit(f"builds {dup} run the same library (same ffi sources fingerprint): nothing to compare "
                          "(--allow-same measures the same-build spread)")
     results = {n: [] for n in builds}
+    start, slowest, rounds = time.monotonic(), 0.0, 0
     for r in range(args.rounds):
+        if args.deadline is not None and r > 0 and time.monotonic() - start + slowest * len(builds) > args.deadline:
+            print(f"stopped after {r} of {args.rounds} rounds (--deadline {args.deadline:g} s)", flush=True)
+            break
         order = list(builds) if r % 2 == 0 else list(reversed(builds))
         for n in order:
+            t0 = time.monotonic()
             info, rows = run_build(builds[n], args.cases, args.timings, args.timeout)
+            slowest = max(slowest, time.monotonic() - t0)
             if info["source_sha256"] != seen[n]["source_sha256"]:
                 raise SystemExit(f"build {n} changed during the run: {info['source_sha256']}")
             print(f"round {r} {n}: {len(rows)} cases", flush=True)
             results[n].append(rows)
+        rounds = r + 1
     table = summarize(builds, results)
     print(table)
     if args.out:
@@ -223,7 +235,7 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         (out / "ab_builds.json").write_text(json.dumps(
             {"builds": {n: dict(seen[n], folder=str(builds[n])) for n in builds}, "cases": args.cases,
-             "rounds": args.rounds, "timings": args.timings, "results": results, "table": table}, indent=1))
+             "rounds": rounds, "timings": args.timings, "results": results, "table": table}, indent=1))
     return 0
 
 

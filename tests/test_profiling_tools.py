@@ -112,3 +112,19 @@ def test_ab_builds_times_every_build_in_alternating_processes(tmp_path):
             ["tiny grouped M=16", "tiny einsum M=8"]] * 2
         assert all(len(row["us"]) == 1 and row["us"][0] > 0 for rnd in data["results"][name] for row in rnd)
     assert data["table"].count("| equal |") == 2
+
+
+def test_ab_builds_deadline_keeps_the_complete_rounds(tmp_path):
+    """--deadline: no round starts that would end past it; the summary and the JSON hold the complete rounds."""
+    import json
+
+    folder = _build_folder(tmp_path)
+    r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny", "--rounds", "3",
+              "--timings", "1", "--allow-same", "--deadline", "0.5", "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stderr[-2000:]
+    order = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("round")]
+    assert order == ["round 0 a", "round 0 b"]
+    assert "stopped after 1 of 3 rounds (--deadline 0.5 s)" in r.stdout
+    data = json.loads((tmp_path / "ab_builds.json").read_text())
+    assert data["rounds"] == 1 and all(len(data["results"][n]) == 1 for n in ("a", "b"))
+    assert data["table"].count("| equal |") == 2 and data["table"] in r.stdout
