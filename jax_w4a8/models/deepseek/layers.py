@@ -287,7 +287,7 @@ def fake_quant_fp8_groups(x, ue8m0: bool = False, dtype=None):
     """Quantize-dequantize per token and 128-channel group: ``e4m3(x / s) * s`` (fp32 math).
 
     The last axis is zero-padded to a multiple of 128 for the amax (exact, see module docstring).
-    Args: x float [..., K]. Returns ``dtype`` (default x.dtype) [..., K].
+    Args: x bf16 / fp32 [..., K]. Returns ``dtype`` (default x.dtype) [..., K].
     """
     k = x.shape[-1]
     xp = _pad_last(x)
@@ -298,7 +298,9 @@ def fake_quant_fp8_groups(x, ue8m0: bool = False, dtype=None):
 
 def quantize_act_groups(x, ue8m0: bool = False):
     """Activations to e4m3 per token and 128-channel group: :func:`jax_w4a8.ops.quantize_fp8_groups`, one kernel
-    pass, bitwise equal to its reference :func:`jax_w4a8.quant.quantize_fp8_groups`.
+    pass that divides by the scale as IEEE float32 does (SPEC's recipe; the ``jnp`` reference
+    :func:`jax_w4a8.quant.quantize_fp8_groups` may differ by one code or one scale ulp where XLA rewrites
+    ``x / s`` as ``x * (1 / s)``).
 
     Args: x bf16 / fp32 [..., K], K a multiple of 128 (callers zero-pad first, :func:`_pad_last`).
     Returns: (e4m3 [..., K], fp32 scales [..., K / 128]; powers of two when ``ue8m0``)."""
