@@ -1545,7 +1545,8 @@ __device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
 // per group, the former scheme, took 58 us for M = 4096, K = 7168 on the H200). dst: the group's folded codes (nullptr: none for this lane's group);
 // every lane of the warp calls it.
 constexpr int kFoldStageWords = 4 * 40;
-constexpr size_t kPrepFoldSmemBytes = 8 * 2 * kFoldStageWords * sizeof(uint32_t);  // 8 warps, two stages each
+constexpr int kPrepThreads = 256;  // PrepareActScalesKernel's block
+constexpr size_t kPrepFoldSmemBytes = kPrepThreads / 32 * 2 * kFoldStageWords * sizeof(uint32_t);  // 2 per warp
 __device__ __forceinline__ void StoreFoldedKOrder(uint4 v, uint8_t* dst, uint32_t* stage, int lane) {
   const int q = lane / 8, c = lane % 8;
   __syncwarp();  // the stage's previous gathers are done
@@ -1647,8 +1648,9 @@ __global__ void PrepareActScalesKernel(const void* src, ActScaleKind kind, float
                                        bool zero_pad) {
   sm90::LaunchDependents();  // the GEMM's blocks may start (they wait for this grid before reading its output)
   // fold_x: each warp's two stages for the folded K order (StoreFoldedKOrder; 16-byte stores), in dynamic shared
-  // memory that only a fold_x launch asks for (kPrepFoldSmemBytes, 256 threads): other launches' blocks take none,
-  // so that the GEMM's blocks, launched as this grid's dependents, find the SM's shared memory free beside them.
+  // memory that only a fold_x launch asks for (kPrepFoldSmemBytes, kPrepThreads): other launches' blocks take no
+  // stage (only the 1 KB that the GEMM kernel's 1024-byte alignment of dynamic shared memory reserves in every
+  // kernel of this file), leaving the SM's shared memory to the GEMM blocks launched as this grid's dependents.
   extern __shared__ __align__(16) uint32_t prep_fold_smem[];
   uint32_t* const fold_stage = prep_fold_smem + (threadIdx.x / 32) * (2 * kFoldStageWords);
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
@@ -2022,16 +2024,14 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
     const int64_t work = std::max({n, n_zero, zero_padding ? p.m * p.f : int64_t{0},
                                    f16_x ? p.m * p.h * (p.k / kKGroup) * 16 : int64_t{0},
                                    p.fold_x ? p.m * p.h * 32 : int64_t{0}});
-    const int blocks = static_cast<int>(std::min<int64_t>((work + 255) / 256, int64_t{dev.sms} * 8));
-    PrepareActScalesKernel<<<blocks, 256, p.fold_x ? kPrepFoldSmemBytes : 0, stream>>>(p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp,
-                                                       p.split_ws, n_zero,
-                                                       zero_padding || p.fold_x ? p.group_sizes : nullptr,
-                                                       p.b, p.out, p.out_bf16, p.f,
-                                                       static_cast<const uint8_t*>(p.x),
-                                                       f16_x ? static_cast<uint16_t*>(p.xh) : nullptr,
-                                                       p.fold_x ? p.x_tok_scale : nullptr,
-                                                       p.fold_x ? static_cast<uint8_t*>(p.x_fold) : nullptr,
-                                                       zero_padding);
+    const int blocks =
+        static_cast<int>(std::min<int64_t>((work + kPrepThreads - 1) / kPrepThreads, int64_t{dev.sms} * 8));
+    const size_t fold_smem = p.fold_x ? kPrepFoldSmemBytes : 0;
+    PrepareActScalesKernel<<<blocks, kPrepThreads, fold_smem, stream>>>(
+        p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.k / kKGroup, mp, p.split_ws, n_zero,
+        zero_padding || p.fold_x ? p.group_sizes : nullptr, p.b, p.out, p.out_bf16, p.f,
+        static_cast<const uint8_t*>(p.x), f16_x ? static_cast<uint16_t*>(p.xh) : nullptr,
+        p.fold_x ? p.x_tok_scale : nullptr, p.fold_x ? static_cast<uint8_t*>(p.x_fold) : nullptr, zero_padding);
     if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
     q.dependent_launch = DependentLaunchEnabled();
   }
