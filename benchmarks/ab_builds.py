@@ -9,9 +9,11 @@ of one build move 5-17% between processes on the H200 (RESULTS.md, twenty-third 
 in `--rounds` fresh processes, alternating (A B, then B A, ...; use an even number so that every build runs
 first equally often), each timing its cases `--timings` times; the summary gives each process's median, their
 median per build, each build's over the first build's, and whether the outputs' checksums equal the first
-build's. `--deadline SECONDS` bounds the timed rounds' wall clock (a device call's limit): no round starts that
-the slowest process so far says would end past it, and the summary then covers the complete rounds (a run
-killed from outside prints nothing: the thirty-third session lost a 400 s A/B that way).
+build's. `--deadline SECONDS` bounds the whole run's wall clock from its start (give it a device call's limit
+less a margin): the first round always runs, a later round starts only if the slowest process so far says it
+ends in time (an even round only if its odd partner does too, so that every build runs first equally often),
+later rounds' workers get at most the time left (`--timeout` bounds the first's), and a worker that runs past it ends the run with the summary of the complete
+rounds (a run killed from outside prints nothing: the thirty-third session lost a 400 s A/B that way).
 
 Guards against timing the wrong library: each worker checks that `jax_w4a8` and its compiled modules were
 imported from its folder (an editable install's import redirect is bypassed), that a source checkout's build
@@ -132,6 +134,10 @@ def worker(folder, names, timings, build_only=False):
 
 
 # ----------------------------------------------------------------------------------------- orchestrator
+class WorkerTimeout(SystemExit):
+    """A worker ran past its time (--timeout, or what --deadline left)."""
+
+
 def run_build(folder, names, timings, timeout):
     """One worker process on `folder`'s library: (its build line, one row per case). No names: the build only."""
     path = [str(folder)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
@@ -141,7 +147,7 @@ def run_build(folder, names, timings, timeout):
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
-        raise SystemExit(f"build {folder}: worker ran past {timeout} s (--timeout)\n{(exc.stderr or b'')[-2000:]}")
+        raise WorkerTimeout(f"build {folder}: worker ran past {timeout:.0f} s\n{(exc.stderr or b'')[-2000:]}") from None
     rows = []
     for line in proc.stdout.splitlines():
         if line.startswith('{"build"') or line.startswith('{"case"'):
@@ -181,12 +187,14 @@ def main(argv=None):
     p.add_argument("--timings", type=int, default=2, help="timings per case in each process")
     p.add_argument("--allow-same", action="store_true", help="run even if two builds have the same fingerprint")
     p.add_argument("--timeout", type=float, default=600, help="seconds per worker process")
-    p.add_argument("--deadline", type=float, help="seconds for all timed rounds: no round starts that would end "
-                   "past it (judged by the slowest process so far); the summary covers the complete rounds")
+    p.add_argument("--deadline", type=float, help="seconds for the whole run from its start: the first round "
+                   "always runs, no later one starts that would end past it (judged by the slowest process so "
+                   "far), workers get at most the time left; the summary covers the complete rounds")
     p.add_argument("--out", help="folder for ab_builds.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    start = time.monotonic()
     if args.worker:
         return worker(args.worker, args.cases, args.timings, args.build_only)
     builds = {}
@@ -213,21 +221,39 @@ def main(argv=None):
         raise SystemExit(f"builds {dup} run the same library (same ffi sources fingerprint): nothing to compare "
                          "(--allow-same measures the same-build spread)")
     results = {n: [] for n in builds}
-    start, slowest, rounds = time.monotonic(), 0.0, 0
+    slowest, rounds = 0.0, 0
+
+    def time_left():
+        return None if args.deadline is None else args.deadline - (time.monotonic() - start)
+
     for r in range(args.rounds):
-        if args.deadline is not None and r > 0 and time.monotonic() - start + slowest * len(builds) > args.deadline:
+        # a later round only if it (and, from an even round, its odd partner) ends in time
+        need = slowest * len(builds) * (2 if r % 2 == 0 and r + 1 < args.rounds else 1)
+        if r > 0 and time_left() is not None and need > time_left():
             print(f"stopped after {r} of {args.rounds} rounds (--deadline {args.deadline:g} s)", flush=True)
             break
         order = list(builds) if r % 2 == 0 else list(reversed(builds))
-        for n in order:
-            t0 = time.monotonic()
-            info, rows = run_build(builds[n], args.cases, args.timings, args.timeout)
-            slowest = max(slowest, time.monotonic() - t0)
-            if info["source_sha256"] != seen[n]["source_sha256"]:
-                raise SystemExit(f"build {n} changed during the run: {info['source_sha256']}")
-            print(f"round {r} {n}: {len(rows)} cases", flush=True)
-            results[n].append(rows)
+        try:
+            for n in order:
+                t0 = time.monotonic()
+                left = time_left() if r > 0 else None  # the first round always runs (--timeout bounds it)
+                timeout = args.timeout if left is None else max(1.0, min(args.timeout, left))
+                info, rows = run_build(builds[n], args.cases, args.timings, timeout)
+                slowest = max(slowest, time.monotonic() - t0)
+                if info["source_sha256"] != seen[n]["source_sha256"]:
+                    raise SystemExit(f"build {n} changed during the run: {info['source_sha256']}")
+                print(f"round {r} {n}: {len(rows)} cases", flush=True)
+                results[n].append(rows)
+        except WorkerTimeout as exc:
+            if rounds == 0:
+                raise
+            print(f"{exc}\nstopped in round {r}: the summary covers the {rounds} complete round(s)", flush=True)
+            for n in builds:
+                del results[n][rounds:]
+            break
         rounds = r + 1
+    if rounds % 2 and len(builds) > 1 and rounds < args.rounds:
+        print(f"note: {rounds} rounds, so build {list(builds)[0]} ran first once more than the others", flush=True)
     table = summarize(builds, results)
     print(table)
     if args.out:

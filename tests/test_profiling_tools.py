@@ -1,9 +1,13 @@
 """The profiling helpers in benchmarks/: ncu_summary.py on a synthetic ncu export with known answers, and
 profile_case.py's cases on the CPU handlers (under ncu they run the CUDA kernels)."""
 
+import json
 import os
+import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -97,7 +101,6 @@ def test_ab_builds_refuses_one_library_given_twice(tmp_path):
 
 
 def test_ab_builds_times_every_build_in_alternating_processes(tmp_path):
-    import json
 
     folder = _build_folder(tmp_path)
     r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny", "--rounds", "2",
@@ -114,9 +117,41 @@ def test_ab_builds_times_every_build_in_alternating_processes(tmp_path):
     assert data["table"].count("| equal |") == 2
 
 
+def test_ab_builds_worker_timeout_keeps_the_complete_rounds(tmp_path, monkeypatch, capsys):
+    """A worker that runs past its time in a later round ends the run with the complete rounds' summary; in the
+    first round it is an error."""
+    ab = _ab_module()
+    folders = []
+    for name in ("a", "b"):
+        (tmp_path / name / "jax_w4a8").mkdir(parents=True)
+        (tmp_path / name / "jax_w4a8" / "__init__.py").write_text("")
+        folders.append(f"{name}={tmp_path / name}")
+    calls = []
+
+    def fake_run_build(folder, names, timings, timeout):
+        info = {"module": "m", "platform": "cpu", "source_sha256": "s"}
+        if names:
+            calls.append(pathlib.Path(folder).name)
+            if len(calls) == fail_at:
+                raise ab.WorkerTimeout(f"build {folder}: worker ran past {timeout:.0f} s")
+        return info, [{"case": "c", "us": [float(len(calls))], "checksum": 1.0}] if names else []
+
+    monkeypatch.setattr(ab, "run_build", fake_run_build)
+    fail_at = 4  # round 1 runs b, then a: a times out after b's row is in
+    assert ab.main([*folders, "--rounds", "3", "--allow-same", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "stopped in round 1: the summary covers the 1 complete round(s)" in out
+    assert "| c | 1.0 (1.0) | 2.0 (2.0) | 2.000 | equal |" in out
+    data = json.loads((tmp_path / "ab_builds.json").read_text())
+    assert data["rounds"] == 1 and [len(data["results"][n]) for n in ("a", "b")] == [1, 1]
+    calls.clear()
+    fail_at = 2  # the first round's second worker
+    with pytest.raises(ab.WorkerTimeout):
+        ab.main([*folders, "--rounds", "3", "--allow-same"])
+
+
 def test_ab_builds_deadline_keeps_the_complete_rounds(tmp_path):
     """--deadline: no round starts that would end past it; the summary and the JSON hold the complete rounds."""
-    import json
 
     folder = _build_folder(tmp_path)
     r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny", "--rounds", "3",
@@ -125,6 +160,7 @@ def test_ab_builds_deadline_keeps_the_complete_rounds(tmp_path):
     order = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("round")]
     assert order == ["round 0 a", "round 0 b"]
     assert "stopped after 1 of 3 rounds (--deadline 0.5 s)" in r.stdout
+    assert "note: 1 rounds, so build a ran first once more than the others" in r.stdout
     data = json.loads((tmp_path / "ab_builds.json").read_text())
     assert data["rounds"] == 1 and all(len(data["results"][n]) == 1 for n in ("a", "b"))
     assert data["table"].count("| equal |") == 2 and data["table"] in r.stdout
