@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -24,17 +25,25 @@ def check(h8, scale, args, static_scale=None, covered=None):
     h = np_moe_up(args)
     codes = np.asarray(h8).astype(np.float64)
     s = np.asarray(scale, np.float64)
-    deq = codes * (s if static_scale is not None else np.repeat(s, 128, axis=1))
-    assert np.isfinite(deq).all()
-    # e4m3 keeps 3 mantissa bits: about 2^-5 relative rounding per element on average.
-    assert np_ref.rel_err(deq, h) <= 0.04
-    if static_scale is None:
+    if static_scale is not None:
+        assert np.all(s == np.float64(static_scale))
+    else:
         assert np.asarray(quant.is_ue8m0_exact(scale)).all()
         amax = np.maximum(np.abs(h).reshape(h.shape[0], -1, 128).max(-1), 1e-4)
         # the scale covers the group (rounded up, never down; the composed ops round gate and up to bfloat16
-        # first: up to 2^-8 relative each, about 2.3 * 2^-8 in the group maximum through SiLU's slope)
-        ok = s >= amax / 448 * (1 - 2.0**-6)
-        assert ok.all()
+        # first: up to 2^-8 relative each, about 2.3 * 2^-8 in the group maximum through SiLU's slope), and is
+        # the smallest power of two that does
+        assert np.all(s >= amax / 448 * (1 - 2.0**-6)) and np.all(s <= 2 * amax / 448 * (1 + 2.0**-6))
+    per_elem = s if static_scale is not None else np.repeat(s, 128, axis=1)
+    deq = codes * per_elem
+    assert np.isfinite(deq).all()
+    # Against the best e4m3 codes for these scales (float64 h, rounded to nearest): e4m3's 3 mantissa bits cost
+    # 2-4% relative here, with a spread over fresh data that a fixed bound does not cover (0.043 once against
+    # 0.04); the op's codes differ from the best only where float32 sums or bfloat16 gate / up cross a rounding
+    # boundary (120 CPU cases: at most 1.037x the best, 0.0011 above it).
+    best = np.clip(h / per_elem, -448, 448).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
+    best_err = np_ref.rel_err(best * per_elem, h)
+    assert np_ref.rel_err(deq, h) <= 1.1 * best_err + 0.002 and best_err <= 0.07
     if covered is not None:
         assert (codes[covered:] == 0).all()
 
