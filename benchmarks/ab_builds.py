@@ -10,10 +10,11 @@ in `--rounds` fresh processes, alternating (A B, then B A, ...; use an even numb
 first equally often), each timing its cases `--timings` times; the summary gives each process's median, their
 median per build, each build's over the first build's, and whether the outputs' checksums equal the first
 build's. `--deadline SECONDS` bounds the whole run's wall clock from its start (give it a device call's limit
-less a margin): the first round always runs, a later round starts only if the slowest process so far says it
-ends in time (an even round only if its odd partner does too, so that every build runs first equally often),
-later rounds' workers get at most the time left (`--timeout` bounds the first's), and a worker that runs past it ends the run with the summary of the complete
-rounds (a run killed from outside prints nothing: the thirty-third session lost a 400 s A/B that way).
+less a margin): the first round always runs (`--timeout` bounds its workers), a later round starts only if the
+slowest process so far says it ends in time (an even round only if its odd partner does too, so that every
+build runs first equally often), its workers get at most the time left, and one that runs past it ends the run
+with the summary of the complete rounds (a run killed from outside prints nothing: the thirty-third session
+lost a 400 s A/B that way).
 
 Guards against timing the wrong library: each worker checks that `jax_w4a8` and its compiled modules were
 imported from its folder (an editable install's import redirect is bypassed), that a source checkout's build

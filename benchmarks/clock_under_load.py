@@ -14,6 +14,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -33,7 +34,7 @@ def measure(label, fn, args, seconds):
     jax.block_until_ready(jf(*args))
     t = C.bench(fn, [args]) * 1e6
     time.sleep(1.5)  # idle first, so that every op starts from the same clock
-    with open("/tmp/clock_under_load.csv", "w") as log:
+    with tempfile.TemporaryFile("w+") as log:
         smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
                                stdout=log)
         time.sleep(0.3)
@@ -47,7 +48,8 @@ def measure(label, fn, args, seconds):
         time.sleep(0.2)
         smi.terminate()
         smi.wait()
-    rows = [line.split(",") for line in open("/tmp/clock_under_load.csv") if line.strip()]
+        log.seek(0)
+        rows = [line.split(",") for line in log if line.strip()]
     rows = rows[len(rows) // 4:]  # the steady part
     clk, pw = [float(r[0]) for r in rows], [float(r[1]) for r in rows]
     print(f"{label}: harness {t:.1f} us, back to back {per_call:.1f} us/call; SM clock median {statistics.median(clk):.0f} "

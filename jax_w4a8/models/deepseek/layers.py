@@ -303,7 +303,8 @@ def quantize_act_groups(x, ue8m0: bool = False):
     ``x / s`` as ``x * (1 / s)``).
 
     Args: x bf16 / fp32 [..., K], K a multiple of 128 (callers zero-pad first, :func:`_pad_last`).
-    Returns: (e4m3 [..., K], fp32 scales [..., K / 128]; powers of two when ``ue8m0``)."""
+    Returns: (e4m3 [..., K], fp32 scales [..., K / 128]; powers of two when ``ue8m0``).
+    Raises: TypeError / ValueError naming ``x`` (the op's checks) for another dtype or K."""
     return ops.quantize_fp8_groups(x, BLOCK, ue8m0)
 
 
