@@ -1,0 +1,122 @@
+// Read-bandwidth probe for the fp8 einsum's one-token decode launch on DeepSeek-V3's o_proj (H200); not part of
+// the library. The weights, 7168 x 16384 e4m3 (117 MB), read by 448 blocks of four warps, one 16-row tile per
+// block and a quarter of K per warp, as Fp8DecodeKernel's split-K plan reads them: "tile" (a lane loads rows
+// lane/4 and lane/4 + 8 at bytes [16t, +16) and [64 + 16t, +16) of each 128-byte K group: one instruction
+// reads 64 bytes of each of 8 rows), D groups in flight; "tile interleaved" (warp w takes groups w, w + 4,
+// ...); "rowruns" (the same tiles and quarters, one instruction reading 512 contiguous bytes of one row, the
+// rows in turn); grid-stride contiguous loads as the reference.
+// Results: benchmarks/RESULTS.md (thirty-fourth session). Build and run on the GPU machine:
+//   nvcc -O3 -std=c++17 -arch=sm_90a -o read_bandwidth_o_proj benchmarks/read_bandwidth_o_proj.cu && ./read_bandwidth_o_proj
+#include <cstdio>
+#include <cstdint>
+#include <cuda_runtime.h>
+__device__ __forceinline__ uint4 Ld(const uint8_t* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+__global__ void Stream(const uint8_t* w, int64_t bytes, unsigned* sink) {
+  unsigned acc = 0;
+  const int64_t n = bytes / 16, stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    uint4 v = Ld(w + i * 16); acc ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+// Block = 16-row tile; warp w takes K groups [w*G/4, (w+1)*G/4); lane g=lane/4 rows g, g+8; t=lane%4 bytes 16t, 64+16t.
+template <int D>
+__global__ void __launch_bounds__(128, 4) Tile(const uint8_t* w, int64_t k, unsigned* sink) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t groups = k / 128, g0 = groups * warp / 4, g1 = groups * (warp + 1) / 4;
+  const uint8_t* r0 = w + ((int64_t)blockIdx.x * 16 + g) * k + 16 * t;
+  const uint8_t* r1 = r0 + 8 * k;
+  unsigned acc = 0;
+  for (int64_t gr = g0; gr < g1; gr += D) {
+    uint4 v[D][4];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int64_t off = (gr + d) * 128;
+      v[d][0] = Ld(r0 + off); v[d][1] = Ld(r0 + off + 64); v[d][2] = Ld(r1 + off); v[d][3] = Ld(r1 + off + 64);
+    }
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc ^= v[d][i].x ^ v[d][i].y ^ v[d][i].z ^ v[d][i].w;
+  }
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+// Same, but warp w takes groups w, w + 4, ... (a block's 4 warps read 512 contiguous bytes of each row together).
+template <int D>
+__global__ void __launch_bounds__(128, 4) TileInter(const uint8_t* w, int64_t k, unsigned* sink) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t groups = k / 128;
+  const uint8_t* r0 = w + ((int64_t)blockIdx.x * 16 + g) * k + 16 * t;
+  const uint8_t* r1 = r0 + 8 * k;
+  unsigned acc = 0;
+  for (int64_t gr = warp; gr < groups; gr += 4 * D) {
+    uint4 v[D][4];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int64_t off = (gr + 4 * d) * 128;
+      v[d][0] = Ld(r0 + off); v[d][1] = Ld(r0 + off + 64); v[d][2] = Ld(r1 + off); v[d][3] = Ld(r1 + off + 64);
+    }
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc ^= v[d][i].x ^ v[d][i].y ^ v[d][i].z ^ v[d][i].w;
+  }
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+// Same tiles, but each warp reads 512 contiguous bytes of one row per load (lane * 16), rows in turn.
+template <int D>
+__global__ void __launch_bounds__(128, 4) RowRuns(const uint8_t* w, int64_t k, unsigned* sink) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t kq = k / 4;  // bytes per warp per row
+  unsigned acc = 0;
+  const int chunks = kq / 512;  // per row
+  for (int c = 0; c < 16 * chunks; c += D) {
+    uint4 v[D];
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      const int cc = c + d, row = cc / chunks, ch = cc % chunks;
+      v[d] = Ld(w + ((int64_t)blockIdx.x * 16 + row) * k + warp * kq + ch * 512 + lane * 16);
+    }
+#pragma unroll
+    for (int d = 0; d < D; ++d) acc ^= v[d].x ^ v[d].y ^ v[d].z ^ v[d].w;
+  }
+  if (acc == 0x12345678u) sink[0] = acc;
+}
+template <typename F>
+float Time(F f) {
+  cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
+  for (int i = 0; i < 3; ++i) f();
+  cudaEventRecord(a);
+  for (int i = 0; i < 20; ++i) f();
+  cudaEventRecord(b); cudaEventSynchronize(b);
+  float ms; cudaEventElapsedTime(&ms, a, b);
+  return ms * 1000 / 20;
+}
+int main() {
+  const int64_t n = 7168, k = 16384, bytes = n * k;
+  uint8_t* w; unsigned* sink; uint8_t* flush;
+  cudaMalloc(&w, bytes); cudaMalloc(&sink, 4); cudaMalloc(&flush, 256 << 20);
+  cudaMemset(w, 1, bytes);
+  int sms; cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  const int tiles = n / 16;
+  auto report = [&](const char* name, float us) { printf("%-28s %7.1f us  %6.2f TB/s\n", name, us, bytes / us / 1e6); };
+  // each timed call is preceded by nothing: 117 MB > 60 MB L2, so back-to-back calls mostly miss anyway
+  report("stream 4 blocks/SM", Time([&] { Stream<<<sms * 4, 128>>>(w, bytes, sink); }));
+  report("stream 8 blocks/SM x256", Time([&] { Stream<<<sms * 8, 256>>>(w, bytes, sink); }));
+  report("tile D=1", Time([&] { Tile<1><<<tiles, 128>>>(w, k, sink); }));
+  report("tile D=2", Time([&] { Tile<2><<<tiles, 128>>>(w, k, sink); }));
+  report("tile D=4", Time([&] { Tile<4><<<tiles, 128>>>(w, k, sink); }));
+  report("tile D=8", Time([&] { Tile<8><<<tiles, 128>>>(w, k, sink); }));
+  report("tile interleaved D=1", Time([&] { TileInter<1><<<tiles, 128>>>(w, k, sink); }));
+  report("tile interleaved D=2", Time([&] { TileInter<2><<<tiles, 128>>>(w, k, sink); }));
+  report("tile interleaved D=4", Time([&] { TileInter<4><<<tiles, 128>>>(w, k, sink); }));
+  report("rowruns D=2", Time([&] { RowRuns<2><<<tiles, 128>>>(w, k, sink); }));
+  report("rowruns D=4", Time([&] { RowRuns<4><<<tiles, 128>>>(w, k, sink); }));
+  report("rowruns D=8", Time([&] { RowRuns<8><<<tiles, 128>>>(w, k, sink); }));
+  printf("err %s\n", cudaGetErrorString(cudaGetLastError()));
+  return 0;
+}
