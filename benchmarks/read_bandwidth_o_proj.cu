@@ -4,7 +4,9 @@
 // lane/4 and lane/4 + 8 at bytes [16t, +16) and [64 + 16t, +16) of each 128-byte K group: one instruction
 // reads 64 bytes of each of 8 rows), D groups in flight; "tile interleaved" (warp w takes groups w, w + 4,
 // ...); "rowruns" (the same tiles and quarters, one instruction reading 512 contiguous bytes of one row, the
-// rows in turn); grid-stride contiguous loads as the reference.
+// rows in turn); "rowstage" (16 rows x R bytes of the warp's quarter in flight per step, 512 contiguous bytes per
+// instruction, as a shared-memory stage for the MMAs would be filled; added after the thirty-fourth session's
+// runs, not yet run); grid-stride contiguous loads as the reference.
 // Results: benchmarks/RESULTS.md (thirty-fourth session). Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o read_bandwidth_o_proj benchmarks/read_bandwidth_o_proj.cu && ./read_bandwidth_o_proj
 #include <cstdio>
@@ -86,6 +88,30 @@ __global__ void __launch_bounds__(128, 4) RowRuns(const uint8_t* w, int64_t k, u
   }
   if (acc == 0x12345678u) sink[0] = acc;
 }
+// Same tiles and quarters, as a shared-memory stage would be filled for the MMAs: per step all 16 rows x
+// kRun bytes of the warp's next K stretch in flight, one instruction reading 512 contiguous bytes (kRun >= 512:
+// one row's piece) or 512 / kRun rows' pieces (kRun < 512: lanes 0..kRun/16-1 the first row, ...).
+template <int kRun>
+__global__ void __launch_bounds__(128, 4) RowStage(const uint8_t* w, int64_t k, unsigned* sink) {
+  constexpr int kLoads = 16 * kRun / 512, kRowsPerLoad = kRun >= 512 ? 1 : 512 / kRun;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t kq = k / 4;
+  const uint8_t* base = w + (int64_t)blockIdx.x * 16 * k + warp * kq;
+  unsigned acc = 0;
+  for (int64_t off = 0; off < kq; off += kRun) {
+    uint4 v[kLoads];
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) {
+      int row, col;
+      if (kRun >= 512) row = i / (kRun / 512), col = (i % (kRun / 512)) * 512 + 16 * lane;
+      else row = i * kRowsPerLoad + lane / (kRun / 16), col = 16 * (lane % (kRun / 16));
+      v[i] = Ld(base + (int64_t)row * k + off + col);
+    }
+#pragma unroll
+    for (int i = 0; i < kLoads; ++i) acc ^= v[i].x ^ v[i].y ^ v[i].z ^ v[i].w;
+  }
+  if (acc == 0x12345678u) sink[0] = acc;
+}
 template <typename F>
 float Time(F f) {
   cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
@@ -117,6 +143,9 @@ int main() {
   report("rowruns D=2", Time([&] { RowRuns<2><<<tiles, 128>>>(w, k, sink); }));
   report("rowruns D=4", Time([&] { RowRuns<4><<<tiles, 128>>>(w, k, sink); }));
   report("rowruns D=8", Time([&] { RowRuns<8><<<tiles, 128>>>(w, k, sink); }));
+  report("rowstage 16 rows x 256 B", Time([&] { RowStage<256><<<tiles, 128>>>(w, k, sink); }));
+  report("rowstage 16 rows x 512 B", Time([&] { RowStage<512><<<tiles, 128>>>(w, k, sink); }));
+  report("rowstage 16 rows x 1024 B", Time([&] { RowStage<1024><<<tiles, 128>>>(w, k, sink); }));
   printf("err %s\n", cudaGetErrorString(cudaGetLastError()));
   return 0;
 }
