@@ -1,0 +1,100 @@
+"""Runs pytest in several processes that share one GPU, and reports them as one run.
+
+    python scripts/gpu_tests.py                       # the GPU tests (-m gpu tests/) in 4 processes
+    python scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu
+    python scripts/gpu_tests.py --logs out/ -- -k "decode or every_tile" -m gpu tests/
+
+The GPU tests spend most of their time compiling and in float64 references on the host, so one GPU runs
+several pytest processes at once (six to eight halved the H200's wall time in this project's sessions).
+The selected tests are collected once and dealt round-robin to the processes; each process may take
+``--mem-fraction`` of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.9 / shards). Prints each
+process's pytest summary, then every failed or errored test; exits 0 only if every process passed (or
+had nothing to run). Uses the interpreter it runs under: run it where the package imports (the set-up of
+``scripts/test.sh``, or a GPU machine's own environment with ``PYTHONPATH`` at the checkout).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+DEFAULT_SELECTION = ["-m", "gpu", "tests/"]
+_SUMMARY = re.compile(r"^=*\s*(no tests ran|\d+ (passed|failed|skipped|deselected|error|errors)).*$")
+_FAILED = re.compile(r"^(FAILED|ERROR) ")
+
+
+def collect(pytest_args: list[str], cwd: str) -> list[str]:
+    """Node ids that ``pytest pytest_args`` would run (an error if collection fails)."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", *pytest_args],
+                       capture_output=True, text=True, cwd=cwd)
+    ids = [ln.strip() for ln in r.stdout.splitlines() if "::" in ln and not ln.startswith(" ")]
+    if r.returncode not in (0, 5):  # 5: no tests collected
+        raise SystemExit(f"gpu_tests: collecting {' '.join(pytest_args)} failed (exit {r.returncode}):\n"
+                         f"{(r.stdout + r.stderr)[-3000:]}")
+    return ids
+
+
+def deal(ids: list[str], shards: int) -> list[list[str]]:
+    """Round-robin: neighbouring (often similarly slow) parametrizations go to different processes."""
+    return [part for part in (ids[i::shards] for i in range(shards)) if part]
+
+
+def summary_line(log: str) -> str:
+    lines = [ln for ln in log.splitlines() if _SUMMARY.match(ln.strip())]
+    return lines[-1].strip("= ") if lines else "(no pytest summary: see the log)"
+
+
+def failures(log: str) -> list[str]:
+    return [ln for ln in log.splitlines() if _FAILED.match(ln)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shards", type=int, default=4, help="pytest processes (default 4)")
+    ap.add_argument("--mem-fraction", type=float, default=None,
+                    help="GPU memory per process for XLA (default 0.9 / shards)")
+    ap.add_argument("--logs", default=None, help="folder for each process's log (default: a temporary one)")
+    ap.add_argument("--cwd", default=None, help="where pytest runs (default: the checkout holding this script)")
+    args, pytest_args = ap.parse_known_args(argv)
+    pytest_args = [a for a in pytest_args if a != "--"] or DEFAULT_SELECTION
+    if args.shards < 1:
+        ap.error("--shards must be at least 1")
+    fraction = args.mem_fraction if args.mem_fraction is not None else 0.9 / args.shards
+    if not 0.0 < fraction <= 1.0:
+        ap.error("--mem-fraction must be in (0, 1]")
+    cwd = args.cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    logs = args.logs or tempfile.mkdtemp(prefix="gpu_tests_")
+    os.makedirs(logs, exist_ok=True)
+
+    ids = collect(pytest_args, cwd)
+    parts = deal(ids, args.shards)
+    print(f"gpu_tests: {len(ids)} tests in {len(parts)} processes, {fraction:.2f} of GPU memory each; logs in {logs}",
+          flush=True)
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{fraction:.3f}")
+    procs = []
+    for i, part in enumerate(parts):
+        path = os.path.join(logs, f"shard_{i}.log")
+        with open(path, "w") as log:
+            procs.append((path, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *part],
+                                                 stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)))
+    ok = True
+    failed = []
+    for i, (path, proc) in enumerate(procs):
+        rc = proc.wait()
+        with open(path) as f:
+            log = f.read()
+        print(f"shard {i}: {summary_line(log)} (exit {rc})")
+        failed += failures(log)
+        ok &= rc in (0, 5)
+    for ln in failed:
+        print(ln)
+    print("gpu_tests: passed" if ok else "gpu_tests: FAILED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,68 @@
+"""scripts/gpu_tests.py, the parallel pytest runner for the GPU tests, on throwaway test files (CPU)."""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_tests.py")
+
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+import gpu_tests  # noqa: E402
+
+
+def _run(tmp_path, *args):
+    return subprocess.run([sys.executable, SCRIPT, "--cwd", str(tmp_path), "--logs", str(tmp_path / "logs"), *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _write(tmp_path, name, body):
+    (tmp_path / name).write_text(body)
+
+
+def test_every_selected_test_runs_once_across_the_shards(tmp_path):
+    _write(tmp_path, "test_a.py", "import os, pytest\n"
+           "@pytest.mark.parametrize('i', range(7))\n"
+           "def test_a(i):\n"
+           "    with open('seen.txt', 'a') as f: f.write(f'{i} {os.environ[\"XLA_PYTHON_CLIENT_MEM_FRACTION\"]}\\n')\n")
+    _write(tmp_path, "test_b.py", "def test_b():\n    pass\n")
+    r = _run(tmp_path, "--shards", "3", "--", "-k", "test_a", "test_a.py", "test_b.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "7 tests in 3 processes" in r.stdout and "gpu_tests: passed" in r.stdout
+    seen = (tmp_path / "seen.txt").read_text().split("\n")[:-1]
+    assert sorted(int(s.split()[0]) for s in seen) == list(range(7))  # each once, test_b deselected
+    assert {s.split()[1] for s in seen} == {"0.300"}  # 0.9 / 3 shards
+    assert sorted(os.listdir(tmp_path / "logs")) == ["shard_0.log", "shard_1.log", "shard_2.log"]
+
+
+def test_a_failure_in_any_shard_fails_the_run_and_is_named(tmp_path):
+    _write(tmp_path, "test_c.py", "import pytest\n"
+           "@pytest.mark.parametrize('i', range(6))\n"
+           "def test_c(i):\n    assert i != 4, 'four'\n")
+    r = _run(tmp_path, "--shards", "4", "--mem-fraction", "0.2", "test_c.py")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "FAILED test_c.py::test_c[4]" in r.stdout and "gpu_tests: FAILED" in r.stdout
+    assert sum("passed" in ln for ln in r.stdout.splitlines() if ln.startswith("shard ")) == 4
+
+
+def test_a_collection_error_stops_before_running(tmp_path):
+    _write(tmp_path, "test_d.py", "import no_such_module_here\n")
+    r = _run(tmp_path, "test_d.py")
+    assert r.returncode != 0 and "collecting test_d.py failed" in r.stderr
+
+
+def test_nothing_selected_passes(tmp_path):
+    _write(tmp_path, "test_e.py", "def test_e():\n    pass\n")
+    r = _run(tmp_path, "-k", "nothing_matches", "test_e.py")
+    assert r.returncode == 0 and "0 tests in 0 processes" in r.stdout, r.stdout + r.stderr
+
+
+def test_deal_spreads_neighbours_and_drops_empty_shards():
+    assert gpu_tests.deal(list("abcde"), 2) == [["a", "c", "e"], ["b", "d"]]
+    assert gpu_tests.deal(list("ab"), 4) == [["a"], ["b"]]
+
+
+def test_bad_arguments_are_named(tmp_path):
+    r = _run(tmp_path, "--shards", "0", "x.py")
+    assert r.returncode == 2 and "--shards" in r.stderr
+    r = _run(tmp_path, "--mem-fraction", "1.5", "x.py")
+    assert r.returncode == 2 and "--mem-fraction" in r.stderr
