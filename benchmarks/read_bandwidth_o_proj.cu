@@ -5,8 +5,9 @@
 // reads 64 bytes of each of 8 rows), D groups in flight; "tile interleaved" (warp w takes groups w, w + 4,
 // ...); "rowruns" (the same tiles and quarters, one instruction reading 512 contiguous bytes of one row, the
 // rows in turn); "rowstage" (16 rows x R bytes of the warp's quarter in flight per step, 512 contiguous bytes per
-// instruction, as a shared-memory stage for the MMAs would be filled; added after the thirty-fourth session's
-// runs, not yet run); grid-stride contiguous loads as the reference.
+// instruction, as a shared-memory stage for the MMAs would be filled) and "blockstage" (the block's warps
+// sharing one K stretch, 16 rows in flight per block; both added after the thirty-fourth session's runs, not
+// yet run); grid-stride contiguous loads as the reference.
 // Results: benchmarks/RESULTS.md (thirty-fourth session). Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o read_bandwidth_o_proj benchmarks/read_bandwidth_o_proj.cu && ./read_bandwidth_o_proj
 #include <cstdio>
@@ -112,6 +113,27 @@ __global__ void __launch_bounds__(128, 4) RowStage(const uint8_t* w, int64_t k, 
   }
   if (acc == 0x12345678u) sink[0] = acc;
 }
+// A block-wide stage instead: the block's four warps share one K stretch of the tile (no split of K), warp w
+// reading rows 4w .. 4w + 3, 512 contiguous bytes of each per step, D steps in flight: 16 rows in flight per
+// block, not 16 per warp.
+template <int D>
+__global__ void __launch_bounds__(128, 4) BlockStage(const uint8_t* w, int64_t k, unsigned* sink) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint8_t* base = w + ((int64_t)blockIdx.x * 16 + 4 * warp) * k + 16 * lane;
+  unsigned acc = 0;
+  for (int64_t off = 0; off < k; off += 512 * D) {
+    uint4 v[D][4];
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) v[d][r] = Ld(base + r * k + off + 512 * d);
+#pragma unroll
+    for (int d = 0; d < D; ++d)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) acc ^= v[d][r].x ^ v[d][r].y ^ v[d][r].z ^ v[d][r].w;
+  }
+  if (acc == 0x12345678u) sink[0] = acc;
+}
 template <typename F>
 float Time(F f) {
   cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
@@ -146,6 +168,9 @@ int main() {
   report("rowstage 16 rows x 256 B", Time([&] { RowStage<256><<<tiles, 128>>>(w, k, sink); }));
   report("rowstage 16 rows x 512 B", Time([&] { RowStage<512><<<tiles, 128>>>(w, k, sink); }));
   report("rowstage 16 rows x 1024 B", Time([&] { RowStage<1024><<<tiles, 128>>>(w, k, sink); }));
+  report("blockstage 16 rows x 512 B, D=1", Time([&] { BlockStage<1><<<tiles, 128>>>(w, k, sink); }));
+  report("blockstage 16 rows x 512 B, D=2", Time([&] { BlockStage<2><<<tiles, 128>>>(w, k, sink); }));
+  report("blockstage 16 rows x 512 B, D=4", Time([&] { BlockStage<4><<<tiles, 128>>>(w, k, sink); }));
   printf("err %s\n", cudaGetErrorString(cudaGetLastError()));
   return 0;
 }
