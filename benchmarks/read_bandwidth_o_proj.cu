@@ -26,41 +26,22 @@ __global__ void Stream(const uint8_t* w, int64_t bytes, unsigned* sink) {
   }
   if (acc == 0x12345678u) sink[0] = acc;
 }
-// Block = 16-row tile; warp w takes K groups [w*G/4, (w+1)*G/4); lane g=lane/4 rows g, g+8; t=lane%4 bytes 16t, 64+16t.
-template <int D>
+// Block = 16-row tile; warp w takes K groups [w*G/4, (w+1)*G/4), or with kInterleaved groups w, w + 4, ... (a
+// block's 4 warps read 512 contiguous bytes of each row together); lane g=lane/4 rows g, g+8; t=lane%4 bytes
+// 16t, 64+16t.
+template <int D, bool kInterleaved>
 __global__ void __launch_bounds__(128, 4) Tile(const uint8_t* w, int64_t k, unsigned* sink) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t groups = k / 128, g0 = groups * warp / 4, g1 = groups * (warp + 1) / 4;
+  const int64_t groups = k / 128, step = kInterleaved ? 4 : 1;
+  const int64_t g0 = kInterleaved ? warp : groups * warp / 4, g1 = kInterleaved ? groups : groups * (warp + 1) / 4;
   const uint8_t* r0 = w + ((int64_t)blockIdx.x * 16 + g) * k + 16 * t;
   const uint8_t* r1 = r0 + 8 * k;
   unsigned acc = 0;
-  for (int64_t gr = g0; gr < g1; gr += D) {
+  for (int64_t gr = g0; gr < g1; gr += step * D) {
     uint4 v[D][4];
 #pragma unroll
     for (int d = 0; d < D; ++d) {
-      const int64_t off = (gr + d) * 128;
-      v[d][0] = Ld(r0 + off); v[d][1] = Ld(r0 + off + 64); v[d][2] = Ld(r1 + off); v[d][3] = Ld(r1 + off + 64);
-    }
-#pragma unroll
-    for (int d = 0; d < D; ++d)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc ^= v[d][i].x ^ v[d][i].y ^ v[d][i].z ^ v[d][i].w;
-  }
-  if (acc == 0x12345678u) sink[0] = acc;
-}
-// Same, but warp w takes groups w, w + 4, ... (a block's 4 warps read 512 contiguous bytes of each row together).
-template <int D>
-__global__ void __launch_bounds__(128, 4) TileInter(const uint8_t* w, int64_t k, unsigned* sink) {
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t groups = k / 128;
-  const uint8_t* r0 = w + ((int64_t)blockIdx.x * 16 + g) * k + 16 * t;
-  const uint8_t* r1 = r0 + 8 * k;
-  unsigned acc = 0;
-  for (int64_t gr = warp; gr < groups; gr += 4 * D) {
-    uint4 v[D][4];
-#pragma unroll
-    for (int d = 0; d < D; ++d) {
-      const int64_t off = (gr + 4 * d) * 128;
+      const int64_t off = (gr + step * d) * 128;
       v[d][0] = Ld(r0 + off); v[d][1] = Ld(r0 + off + 64); v[d][2] = Ld(r1 + off); v[d][3] = Ld(r1 + off + 64);
     }
 #pragma unroll
@@ -104,7 +85,7 @@ __global__ void __launch_bounds__(128, 4) RowStage(const uint8_t* w, int64_t k, 
 #pragma unroll
     for (int i = 0; i < kLoads; ++i) {
       int row, col;
-      if (kRun >= 512) row = i / (kRun / 512), col = (i % (kRun / 512)) * 512 + 16 * lane;
+      if constexpr (kRun >= 512) row = i / (kRun / 512), col = (i % (kRun / 512)) * 512 + 16 * lane;
       else row = i * kRowsPerLoad + lane / (kRun / 16), col = 16 * (lane % (kRun / 16));
       v[i] = Ld(base + (int64_t)row * k + off + col);
     }
@@ -155,13 +136,13 @@ int main() {
   // each timed call is preceded by nothing: 117 MB > 60 MB L2, so back-to-back calls mostly miss anyway
   report("stream 4 blocks/SM", Time([&] { Stream<<<sms * 4, 128>>>(w, bytes, sink); }));
   report("stream 8 blocks/SM x256", Time([&] { Stream<<<sms * 8, 256>>>(w, bytes, sink); }));
-  report("tile D=1", Time([&] { Tile<1><<<tiles, 128>>>(w, k, sink); }));
-  report("tile D=2", Time([&] { Tile<2><<<tiles, 128>>>(w, k, sink); }));
-  report("tile D=4", Time([&] { Tile<4><<<tiles, 128>>>(w, k, sink); }));
-  report("tile D=8", Time([&] { Tile<8><<<tiles, 128>>>(w, k, sink); }));
-  report("tile interleaved D=1", Time([&] { TileInter<1><<<tiles, 128>>>(w, k, sink); }));
-  report("tile interleaved D=2", Time([&] { TileInter<2><<<tiles, 128>>>(w, k, sink); }));
-  report("tile interleaved D=4", Time([&] { TileInter<4><<<tiles, 128>>>(w, k, sink); }));
+  report("tile D=1", Time([&] { Tile<1, false><<<tiles, 128>>>(w, k, sink); }));
+  report("tile D=2", Time([&] { Tile<2, false><<<tiles, 128>>>(w, k, sink); }));
+  report("tile D=4", Time([&] { Tile<4, false><<<tiles, 128>>>(w, k, sink); }));
+  report("tile D=8", Time([&] { Tile<8, false><<<tiles, 128>>>(w, k, sink); }));
+  report("tile interleaved D=1", Time([&] { Tile<1, true><<<tiles, 128>>>(w, k, sink); }));
+  report("tile interleaved D=2", Time([&] { Tile<2, true><<<tiles, 128>>>(w, k, sink); }));
+  report("tile interleaved D=4", Time([&] { Tile<4, true><<<tiles, 128>>>(w, k, sink); }));
   report("rowruns D=2", Time([&] { RowRuns<2><<<tiles, 128>>>(w, k, sink); }));
   report("rowruns D=4", Time([&] { RowRuns<4><<<tiles, 128>>>(w, k, sink); }));
   report("rowruns D=8", Time([&] { RowRuns<8><<<tiles, 128>>>(w, k, sink); }));

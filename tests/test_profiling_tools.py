@@ -101,7 +101,6 @@ def test_ab_builds_refuses_one_library_given_twice(tmp_path):
 
 
 def test_ab_builds_times_every_build_in_alternating_processes(tmp_path):
-
     folder = _build_folder(tmp_path)
     r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny", "--rounds", "2",
               "--timings", "1", "--allow-same", "--out", str(tmp_path)])
@@ -152,7 +151,6 @@ def test_ab_builds_worker_timeout_keeps_the_complete_rounds(tmp_path, monkeypatc
 
 def test_ab_builds_deadline_keeps_the_complete_rounds(tmp_path):
     """--deadline: no round starts that would end past it; the summary and the JSON hold the complete rounds."""
-
     folder = _build_folder(tmp_path)
     r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny", "--rounds", "3",
               "--timings", "1", "--allow-same", "--deadline", "0.5", "--out", str(tmp_path)])
