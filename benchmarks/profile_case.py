@@ -14,15 +14,14 @@ Every kernel of a call with its duration (the preparation kernels too: how the f
 Cases: decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
 (the down projection, N = 7168, K = 2048, same kernel), decode512 / down512 (the same at M = 512: the plan's
 32-token f16 kernel, whole tiles), fused64 / fused512 (ops.w4a8_moe_up on the same gate+up weights: the fused
-8- / 32-token f16 kernels), absorb_o1
-(MLA absorb_o, 128 heads, b = 1), kv_a1 / kv_a64 (576 x 7168 at one / 64 tokens), o_proj1 (7168 x 16384 at one
-token: the einsum's decode kernel, Fp8DecodeKernel), square64 (einsum N = K = 7168
-at 64 tokens: the 64-token kernel under stream-K), square4096 (einsum M = N = K = 7168 /
+8- / 32-token f16 kernels), the einsum cases of EINSUM_CASES (DeepSeek-V3 linears and
+MLA / V4 per-head products at one token: the decode kernels, Fp8DecodeKernel or Fp8DecodeStagedKernel, e.g.
+o_proj1, 7168 x 16384; o_proj16 / o_proj32 and kv_a64 / square64: the TMA kernel), square4096 (einsum M = N = K = 7168 /
 4096 tokens: the 192-token kernel), prefill4k_e4m3 / prefill4k_f16 / prefill16k_e4m3 / prefill16k_f16 (grouped
 gate+up at M = 4096 / 16384 on the 128-token kernel, e4m3 or f16 MMA), down4k_e4m3 (the down projection at M = 4096
 on the same kernel), prefill4k_fold / down4k_fold (the same two with UE8M0 activation scales: the folding e4m3
-kernel, launched with the plain one, which exits: take `--launch-skip 2`). Each runs twice (the first call
-compiles), so `--launch-skip 1` takes the second launch.
+kernel, launched with the plain one, which exits: take `--launch-skip 2`). Each runs twice, or `--calls N` times (the
+first call compiles), so `--launch-skip 1` takes the second launch.
 """
 
 import argparse
@@ -40,6 +39,24 @@ from probe_kernels import _grouped_case  # noqa: E402
 CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "absorb_o1", "kv_a1", "kv_a64",
          "o_proj1", "square64", "square4096", "prefill4k_e4m3", "prefill4k_f16", "prefill16k_e4m3", "prefill16k_f16",
          "down4k_e4m3", "prefill4k_fold", "down4k_fold")
+# einsum cases: (equation, activation shape, weight shape); the decode kernel's (M <= 32) first
+EINSUM_CASES = {
+    "absorb_o1": ("bhr,hdr->bhd", (1, 128, 512), (128, 128, 512)),  # MLA absorb_o, 128 heads
+    "absorb_q1": ("bhr,hdr->bhd", (1, 128, 128), (128, 512, 128)),  # MLA absorb_q: 4096 tiles of one K group
+    "wo_a1": ("bhr,hdr->bhd", (1, 16, 4096), (16, 1024, 4096)),  # DeepSeek-V4-Pro wo_a
+    "q_a1": ("md,nd->mn", (1, 7168), (1536, 7168)),
+    "kv_a1": ("md,nd->mn", (1, 7168), (576, 7168)),
+    "o_proj1": ("md,nd->mn", (1, 16384), (7168, 16384)),
+    "o_proj16": ("md,nd->mn", (16, 16384), (7168, 16384)),
+    "o_proj32": ("md,nd->mn", (32, 16384), (7168, 16384)),
+    "square1": ("md,nd->mn", (1, 7168), (7168, 7168)),
+    "shared_up1": ("md,nd->mn", (1, 7168), (4096, 7168)),  # the shared expert's gate+up projection
+    "shared_down1": ("md,nd->mn", (1, 2048), (7168, 2048)),  # the shared expert's down projection
+    "mlp_up1": ("md,nd->mn", (1, 7168), (36864, 7168)),  # a dense layer's gate+up projection
+    "kv_a64": ("md,nd->mn", (64, 7168), (576, 7168)),
+    "square64": ("md,nd->mn", (64, 7168), (7168, 7168)),
+}
+CASES = CASES[:6] + tuple(EINSUM_CASES) + CASES[11:]
 
 
 def _einsum_case(key, eq, x_shape, w_shape):
@@ -70,25 +87,18 @@ def build(case, key):
         m = 4096 if case.startswith("prefill4k") else 16384
         f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=128, mma=case.rsplit("_", 1)[1])
         return jax.jit(f), _grouped_case(key, m, 4096, 7168, 0)
-    if case == "absorb_o1":
-        return _einsum_case(key, "bhr,hdr->bhd", (1, 128, 512), (128, 128, 512))
-    if case == "kv_a1":
-        return _einsum_case(key, "md,nd->mn", (1, 7168), (576, 7168))
-    if case == "o_proj1":
-        return _einsum_case(key, "md,nd->mn", (1, 16384), (7168, 16384))
-    if case == "kv_a64":
-        return _einsum_case(key, "md,nd->mn", (64, 7168), (576, 7168))
-    if case == "square64":
-        return _einsum_case(key, "md,nd->mn", (64, 7168), (7168, 7168))
+    if case in EINSUM_CASES:
+        return _einsum_case(key, *EINSUM_CASES[case])
     return _einsum_case(key, "md,nd->mn", (4096, 7168), (7168, 7168))
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=CASES)
+    ap.add_argument("--calls", type=int, default=2, help="calls of the op (the first compiles); default 2")
     args = ap.parse_args()
     f, a = build(args.case, jax.random.key(0))
-    for _ in range(2):
+    for _ in range(args.calls):
         jax.block_until_ready(f(*a))
 
 

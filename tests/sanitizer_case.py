@@ -71,8 +71,10 @@ def main() -> int:
         ref = np_ref.fp8_einsum_mhk(a8[:, None], sa[:, None], w8[None], sw[None])[:, 0]
         ok &= np_ref.rel_err(np.asarray(out.astype(jnp.float32)), ref) <= 4e-3
     # the decode kernel (tile 8): split K over a cluster (576 rows), partial row tiles, 2 and 4 token
-    # tiles, and whole tiles per warp (128 heads, one K group)
-    for m, h, n, k in ((1, 1, 576, 2048), (5, 3, 130, 384), (11, 2, 40, 256), (27, 1, 33, 640), (1, 128, 512, 128)):
+    # tiles, and whole tiles per warp (128 heads, one K group); the staged kernel (on 132 SMs: 199 tiles, the
+    # last of 2 rows, a cluster of 2, 8 K groups per warp in shared-memory stages)
+    for m, h, n, k in ((1, 1, 576, 2048), (5, 3, 130, 384), (11, 2, 40, 256), (27, 1, 33, 640), (1, 128, 512, 128),
+                       (3, 1, 3170, 8192)):
         wf = rng.standard_normal((h, n, k)).astype(np.float32)
         w8, sw = quant.quantize_fp8_blocks(wf)
         a8, sa = quant.quantize_fp8_groups(rng.standard_normal((m, h, k)).astype(np.float32), ue8m0=True)

@@ -283,6 +283,12 @@ def test_stream_k_with_fewer_blocks_than_resident_on_gpu(rng, device, tile_token
     (1, 128, 512, 128, "block", "f32", jnp.bfloat16),    # MLA absorb_q: 4096 tiles of one K group, walked
                                                          # whole by each warp, loads running ahead across tiles
     (2, 160, 160, 640, "row", "codes", jnp.float32),     # whole tiles of 5 groups, some warps take two
+    # the staged kernel (split K, >= 8 K groups per warp; plans on 132 SMs): 397 tiles, the last of 8 rows;
+    # 4 warps of 8 groups (4 stages of 2 groups each)
+    (5, 1, 6344, 4096, "block", "codes", jnp.bfloat16),
+    (2, 1, 6344, 4352, "block", "f32", jnp.float32),     # 34 groups: runs of 8 and 9, a last stage of one group
+    (7, 1, 3200, 8192, "block", "e8m0fnu", jnp.bfloat16),  # a cluster of 2: its sums through the stages' memory
+    (8, 16, 1000, 2048, "row", "f32", jnp.float32),      # per-head (V4 wo_a-like), per-row scales, 2-warp blocks
 ])
 def test_decode_kernel_on_gpu(rng, device, m, h, n, k, recipe, encoding, out_dtype):
     """tile_tokens=8, the one-launch decode kernel (warp MMAs; whole tiles per warp, or K split over warps

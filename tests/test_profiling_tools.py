@@ -45,8 +45,8 @@ def test_ncu_summary_reports_shares_regions_and_top_lines(tmp_path):
 
 
 def test_profile_case_runs_each_case_and_refuses_unknown_ones():
-    for case in ("kv_a1", "absorb_o1"):
-        r = _run([os.path.join(BENCH, "profile_case.py"), case])
+    for case, calls in (("kv_a1", []), ("absorb_o1", ["--calls", "1"]), ("absorb_q1", ["--calls", "3"])):
+        r = _run([os.path.join(BENCH, "profile_case.py"), case, *calls])
         assert r.returncode == 0, r.stderr
     r = _run([os.path.join(BENCH, "profile_case.py"), "nope"])
     assert r.returncode != 0 and "invalid choice" in r.stderr

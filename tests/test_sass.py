@@ -99,6 +99,20 @@ def test_einsum_decode_kernel_issues_warp_mmas(functions):
             assert not re.search(r"\b(STL|LDL)\b", body), tiles
 
 
+def test_einsum_staged_decode_kernel_copies_rows_to_shared_memory(functions):
+    """Fp8DecodeStagedKernel<1> (tile_tokens 8, split K with at least 8 K groups per warp, one token tile):
+    weights copied past L1 into shared memory by cp.async (LDGSTS.BYPASS), activations through L1 (LDGSTS),
+    read back with 16-byte LDS into the fp8 mma.sync (HMMA.16816 on sm_90); no local-memory spills."""
+    found = {int(m[1]): body for name, body in functions
+             if (m := re.search(r"Fp8DecodeStagedKernelILi(\d)EE", name))}
+    assert set(found) == {1}
+    body = found[1]
+    assert body.count("HMMA.16816.F32") >= 8
+    assert "LDGSTS.E.BYPASS.128" in body and "LDGSTS.E.128" in body and "LDS.128" in body
+    assert "LDG.E.NA.128" not in body  # no weight bypasses the stages
+    assert not re.search(r"\b(STL|LDL)\b", body)
+
+
 def test_kernels_issue_mmas_in_their_operand_format(kernels):
     for (tok, int4, parts, f16, *rest), body in kernels.items():
         token_rows = [r for r in rest if r.startswith("token rows")]

@@ -1,16 +1,19 @@
-// The fp8 einsum's decode kernel (ops.fp8_einsum with tile_tokens 8; the plan's choice for M <= 8):
+// The fp8 einsum's decode kernels (ops.fp8_einsum with tile_tokens 8; the plan's choice for M <= 8):
 //   out[m, h, n] = sum_g sx[m, h, g] * sw(h, n, g) * sum_{k in g} x[m, h, k] * w[h, n, k]
 // for at most 32 tokens, in one launch with no scratch and no scale preparation.
 //
 // Each warp owns 16 weight rows of one head (the M side of mma.sync m16n8k32 e4m3 -> f32) and a
 // contiguous run of K groups; the tokens are the MMA's N side, in 8-token tiles (1, 2 or 4 of them).
-// Operands come straight from global memory into MMA fragments: weights with 16-byte loads that skip
-// L1 (each byte is read once), activations and scales through L1 (every warp of the SM reads them).
-// Within a 128-K group a thread's 32 bytes of a row are [16t, 16t + 16) and [64 + 16t, 64 + 16t + 16)
+// A fresh float32 accumulator per group, both scales applied in float32 after it (SPEC 4.2). Within a
+// 128-K group a thread's 32 bytes of a row are [16t, 16t + 16) and [64 + 16t, 64 + 16t + 16)
 // (t = lane % 4): the MMA's k order is a permutation of the group's, the same for weights and
-// activations, so every 8 lanes of a load read 64 contiguous bytes of a row. A fresh float32
-// accumulator per group, both scales applied in float32 after it (SPEC 4.2). Two groups' loads are
-// in flight per warp.
+// activations. The operands reach the MMA fragments one of two ways:
+//  - Fp8DecodeKernel: straight from global memory: weights with 16-byte loads that skip L1 (each byte is
+//    read once), activations and scales through L1 (every warp of the SM reads them); every 8 lanes of a
+//    load read 64 contiguous bytes of a row. Two groups' loads are in flight per warp.
+//  - Fp8DecodeStagedKernel (split K, one token tile, at least kStagedMinGroups K groups per warp): through
+//    the warp's own shared-memory stages, filled by cp.async in 256-byte runs of a row (the pattern that
+//    reads HBM at copy speed: benchmarks/read_bandwidth_o_proj.cu), two stages of two groups in flight.
 //
 // Schedules (PlanFp8Decode): split K, where the warps of a block split the K groups of the block's 16
 // rows and a cluster of up to 8 blocks splits them further (partial tiles summed in warp order, then
@@ -24,9 +27,11 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <mutex>
 
 #include "../common/formats.h"
 #include "hopper_gemm.cuh"
+#include "hopper_ptx.cuh"
 
 namespace jax_w4a8 {
 namespace {
@@ -43,6 +48,7 @@ struct Fp8DecodeLaunch {
   int cluster;       // split K: blocks per cluster splitting a tile's K groups (summed through DSMEM)
   bool whole_tiles;  // each warp walks whole 16-row tiles (else: a block per tile and cluster rank, split K)
   int blocks;        // whole tiles: the grid (one wave); split K: tiles x cluster
+  bool staged;       // split K through shared-memory stages (Fp8DecodeStagedKernel)
 };
 
 // One K group's operands of one thread, as loaded.
@@ -179,6 +185,50 @@ __device__ __forceinline__ void StoreTile(const Fp8DecodeParams& p, int64_t tile
     }
 }
 
+// Split K: the K groups [begin, end) of slice `slice` of `slices` (contiguous runs, in order).
+__device__ __forceinline__ void SplitKRange(int64_t groups, int slice, int slices, int64_t& begin, int64_t& end) {
+  begin = groups * slice / slices, end = groups * (slice + 1) / slices;
+}
+
+// Split K: sums the partial tiles of the block's warps in warp order, then those of the cluster's blocks in
+// rank order, into `tot` of rank 0's warp 0 (the one that stores). red: [kMaxWarps][4 NT][32] floats of the
+// block's shared memory, free for this (the caller has synchronized the block if it held anything else).
+template <int NT>
+__device__ __forceinline__ void SumSplitK(float* red, int warps, int warp, int lane, int cluster, int rank,
+                                          float (&tot)[NT][4]) {
+  constexpr int kWarpFloats = 4 * NT * 32;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) red[warp * kWarpFloats + (4 * j + i) * 32 + lane] = tot[j][i];
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        float s = tot[j][i];
+        for (int w = 1; w < warps; ++w) s += red[w * kWarpFloats + (4 * j + i) * 32 + lane];
+        tot[j][i] = s;
+        red[(4 * j + i) * 32 + lane] = s;
+      }
+  }
+  if (cluster > 1) {
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync();  // every block's sums are in its red[0]
+    if (rank == 0 && warp == 0) {
+      for (int r = 1; r < cluster; ++r) {
+        const float* remote = cl.map_shared_rank(red, r);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) tot[j][i] += remote[(4 * j + i) * 32 + lane];
+      }
+    }
+    cl.sync();  // no block leaves while rank 0 reads its shared memory
+  }
+}
+
 constexpr int kDepth = 2;  // groups' loads in flight per warp
 
 // Two schedules (Fp8DecodeLaunch::whole_tiles):
@@ -205,8 +255,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) Fp8DecodeKernel(Fp8DecodeParam
   } else {
     tile0 = blockIdx.y * tiles_n + blockIdx.x / cluster;
     tile_stride = 1, n_tiles = 1;
-    const int slices = cluster * warps, slice = rank * warps + warp;
-    g_begin = p.groups * slice / slices, g_end = p.groups * (slice + 1) / slices;
+    SplitKRange(p.groups, rank * warps + warp, cluster * warps, g_begin, g_end);
   }
   const int64_t per_tile = g_end - g_begin, steps = n_tiles * per_tile;
 
@@ -247,38 +296,226 @@ __global__ void __launch_bounds__(kMaxWarps * 32) Fp8DecodeKernel(Fp8DecodeParam
   }
   if (plan.whole_tiles) return;
 
-  // Split K: the block's warps in order, then the cluster's blocks in rank order.
+  SumSplitK(&red[0][0][0], warps, warp, lane, cluster, rank, tot);
+  if (rank == 0 && warp == 0) StoreTile(p, c_tile, tiles_n, g, t, tot);
+}
+
+// ------------------------------------------------------------------------ the staged split-K kernel
+// Each warp has kDepth stages of its own in shared memory, a stage holding kStageGroups K groups (kRun bytes
+// of a row) of its 16 weight rows and 8 NT token rows, filled by cp.async: a warp's copy instruction reads
+// kRun contiguous bytes of each of 512 / kRun rows, weights past L1, activations through it. Fragments are
+// read back with 16-byte LDS. In a stage, row r's 16-byte chunk c sits at chunk c ^ (4 (r & 1)) of its row:
+// the fragment reads of a quarter warp (rows 2i, 2i + 1, chunks t or 4 + t) and the copies (16 consecutive
+// chunks of a row) meet eight distinct bank groups. The scales go to registers when a stage is issued.
+// H200, kernel time under ncu (benchmarks/profile_case.py, 20 calls, medians, us), Fp8DecodeKernel vs this
+// kernel at one token: o_proj (32 groups per warp) 38.4 vs 34.4, V4-Pro wo_a (16) 23.7 vs 22.0, 7168 x 7168
+// (14) 19.2 vs 18.6, q_a (3.5) 9.9 vs 9.7; where a warp has few groups it loses: 7168 x 2048 (4) 8.7 vs 9.1,
+// kv_a (1.75) 6.8 vs 7.3, MLA absorb_o (2) 7.4 vs 8.4.
+constexpr int kStagedMinGroups = 8;              // K groups per warp from which PlanFp8Decode takes this kernel
+constexpr int kStageGroups = 2;                  // K groups per stage
+constexpr int kRun = kStageGroups * kGroup;      // bytes of a row per stage
+constexpr int kLanesPerRow = kRun / 16;          // lanes copying one row's run
+constexpr int kRowsPerCopy = 32 / kLanesPerRow;  // rows per copy instruction
+static_assert(kLanesPerRow <= 32 && 32 % kLanesPerRow == 0, "a copy instruction covers whole row runs");
+
+template <int NT>
+constexpr int StageRows() { return kRows + 8 * NT; }  // weight rows, then token rows
+template <int NT>
+constexpr uint32_t StageBytes() { return StageRows<NT>() * kRun; }
+template <int NT>
+constexpr size_t StagedSmemBytes(int warps) { return size_t{kDepth} * StageBytes<NT>() * warps; }
+static_assert(StagedSmemBytes<1>(kMaxWarps) <= 48 * 1024, "one token tile's stages need no shared-memory opt-in");
+static_assert(kDepth * StageBytes<1>() >= 4 * 32 * sizeof(float), "a warp's stages hold its split-K partial tile");
+
+// Byte offset of row r's 16-byte chunk c in a stage.
+__device__ __forceinline__ uint32_t StageOffset(int r, int c) {
+  return static_cast<uint32_t>(r * kRun + ((c ^ (4 * (r & 1))) * 16));
+}
+
+// One stage's scales in one thread: per K group, rows g, g + 8 and tokens 8j + 2t, 8j + 2t + 1.
+template <int NT>
+struct StageScales {
+  float sw[kStageGroups][2];
+  float sx[kStageGroups][NT][2];
+};
+
+// What a warp needs to issue the copies and scale loads of its 16-row tile.
+template <int NT>
+struct StagedTile {
+  int64_t head;
+  const uint8_t* wcopy;  // this lane's copy row (tile row lane / kLanesPerRow) at its chunk
+  int rows_left;         // tile rows from this lane's copy row on that exist (copy i: row + kRowsPerCopy i)
+  bool row_ok[2];        // the MMA rows g, g + 8
+  int64_t swrow[2];
+  int64_t sxrow[NT][2];
+  bool sx_ok[NT][2];
+
+  __device__ __forceinline__ void Set(const Fp8DecodeParams& p, int64_t tile, int64_t tiles_n, int lane) {
+    const int g = lane / 4, t = lane % 4;
+    head = tile / tiles_n;
+    const int64_t r0 = (tile - head * tiles_n) * kRows;
+    const int64_t crow = r0 + lane / kLanesPerRow;
+    rows_left = static_cast<int>(std::min<int64_t>(std::max<int64_t>(p.n - crow, 0), kRows));
+    wcopy = p.w + (head * p.n + (rows_left > 0 ? crow : 0)) * p.k + 16 * (lane % kLanesPerRow);
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+    for (int i = 0; i < 2; ++i) {
+      const int64_t row = r0 + g + 8 * i;
+      row_ok[i] = row < p.n;
+      swrow[i] = (head * p.w_scale_rows + ((row_ok[i] ? row : 0) >> p.w_row_shift)) * p.groups;
+    }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp][4 * j + i][lane] = tot[j][i];
-  __syncthreads();
-  if (warp == 0) {
+    for (int j = 0; j < NT; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int64_t ms = 8 * j + 2 * t + e;
+        sx_ok[j][e] = ms < p.m;
+        sxrow[j][e] = ((sx_ok[j][e] ? ms : 0) * p.h + head) * p.groups;
+      }
+    }
+  }
+};
+
+// Issues the copies of groups [grp, grp + cnt) of the tile into the stage at `stage` (shared address) and
+// loads their scales. Groups past cnt and token rows past M are not copied (their scales are 0).
+template <int NT>
+__device__ __forceinline__ void IssueStage(const Fp8DecodeParams& p, const StagedTile<NT>& v, int64_t grp, int cnt,
+                                           uint32_t stage, int lane, StageScales<NT>& q) {
+  const int c = lane % kLanesPerRow, r = lane / kLanesPerRow;
+  const bool group_ok = c / 8 < cnt;
+  const int64_t off = grp * kGroup;
+#pragma unroll
+  for (int i = 0; i < kRows / kRowsPerCopy; ++i)
+    if (group_ok && kRowsPerCopy * i < v.rows_left)
+      sm90::CpAsyncCg16(stage + StageOffset(r + kRowsPerCopy * i, c), v.wcopy + kRowsPerCopy * i * p.k + off);
+#pragma unroll
+  for (int i = 0; i < 8 * NT / kRowsPerCopy; ++i) {
+    const int m = r + kRowsPerCopy * i;
+    if (group_ok && m < p.m)
+      sm90::CpAsyncCa16(stage + StageOffset(kRows + m, c), p.x + (m * p.h + v.head) * p.k + off + 16 * c);
+  }
+#pragma unroll
+  for (int s = 0; s < kStageGroups; ++s) {
+    const bool ok = s < cnt;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      q.sw[s][i] = ok && v.row_ok[i] ? LoadScale(p.w_scale, p.w_ue8m0, v.swrow[i] + grp + s) : 0.0f;
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float s = tot[j][i];
-        for (int w = 1; w < warps; ++w) s += red[w][4 * j + i][lane];
-        tot[j][i] = s;
-        red[0][4 * j + i][lane] = s;
-      }
+      for (int e = 0; e < 2; ++e)
+        q.sx[s][j][e] = ok && v.sx_ok[j][e] ? LoadScale(p.x_scale, p.x_ue8m0, v.sxrow[j][e] + grp + s) : 0.0f;
   }
-  if (cluster > 1) {
-    cg::cluster_group cl = cg::this_cluster();
-    cl.sync();  // every block's sums are in its red[0]
-    if (rank == 0 && warp == 0) {
-      for (int r = 1; r < cluster; ++r) {
-        const float* remote = cl.map_shared_rank(&red[0][0][0], r);
+}
+
+// tot += the stage's first cnt groups: per group a fresh float32 accumulator of 4 k32 MMAs per token tile,
+// then both scales (ComputeGroup's math on operands read from the stage).
+template <int NT>
+__device__ __forceinline__ void ComputeStage(uint32_t stage, int cnt, int lane, const StageScales<NT>& q,
+                                             float (&tot)[NT][4]) {
+  const int g = lane / 4, t = lane % 4;
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+  for (int s = 0; s < kStageGroups; ++s) {
+    if (s >= cnt) break;
+    Operands<NT> o;
 #pragma unroll
-          for (int i = 0; i < 4; ++i) tot[j][i] += remote[(4 * j + i) * 32 + lane];
+    for (int i = 0; i < 2; ++i) {
+      o.w[i][0] = sm90::LdShared128(stage + StageOffset(g + 8 * i, 8 * s + t));
+      o.w[i][1] = sm90::LdShared128(stage + StageOffset(g + 8 * i, 8 * s + 4 + t));
+      o.sw[i] = q.sw[s][i];
+    }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      o.x[j][0] = sm90::LdShared128(stage + StageOffset(kRows + 8 * j + g, 8 * s + t));
+      o.x[j][1] = sm90::LdShared128(stage + StageOffset(kRows + 8 * j + g, 8 * s + 4 + t));
+      o.sx[j][0] = q.sx[s][j][0];
+      o.sx[j][1] = q.sx[s][j][1];
+    }
+    ComputeGroup(o, tot);
+  }
+}
+
+// Split K only: block (x, head) takes row tile x / cluster; its warps and the cluster's blocks split the K
+// groups into contiguous runs (as Fp8DecodeKernel), each warp walking its run in stages, kDepth in flight.
+template <int NT>
+__global__ void __launch_bounds__(kMaxWarps * 32, NT == 1 ? 4 : 2)
+    Fp8DecodeStagedKernel(Fp8DecodeParams p, Fp8DecodeLaunch plan) {
+  constexpr int D = kDepth;
+  constexpr uint32_t kStage = StageBytes<NT>();
+  extern __shared__ __align__(128) uint8_t smem[];  // [warps][D] stages; after the loop: SumSplitK's red
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int64_t tiles_n = (p.n + kRows - 1) / kRows;
+  const int cluster = plan.cluster;
+  const int rank = static_cast<int>(blockIdx.x % cluster);  // the cluster is (cluster, 1, 1) along x
+  const int64_t tile = blockIdx.y * tiles_n + blockIdx.x / cluster;
+  int64_t g_begin, g_end;
+  SplitKRange(p.groups, rank * warps + warp, cluster * warps, g_begin, g_end);
+  const int64_t steps = (g_end - g_begin + kStageGroups - 1) / kStageGroups;
+
+  // This warp's stages. The token rows that no copy writes (past M) are zeros: only their own output columns,
+  // never stored, would see anything else, but so they stay finite.
+  const uint32_t stages = sm90::SmemAddr(smem) + static_cast<uint32_t>(warp * D * kStage);
+  for (int i = lane; i < D * 8 * NT * kLanesPerRow; i += 32) {
+    const int d = i / (8 * NT * kLanesPerRow), m = i / kLanesPerRow % (8 * NT);
+    if (m >= p.m)
+      sm90::StShared128(stages + d * kStage + kRows * kRun + (m * kLanesPerRow + i % kLanesPerRow) * 16,
+                        make_uint4(0, 0, 0, 0));
+  }
+
+  float tot[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) tot[j][0] = tot[j][1] = tot[j][2] = tot[j][3] = 0.0f;
+  StagedTile<NT> view;
+  view.Set(p, tile, tiles_n, lane);
+  int64_t l_grp = g_begin, c_grp = g_begin;  // the next group to issue, to compute
+  auto issue_next = [&](int d, StageScales<NT>& q) {
+    IssueStage(p, view, l_grp, static_cast<int>(std::min<int64_t>(kStageGroups, g_end - l_grp)),
+               stages + d * kStage, lane, q);
+    l_grp += kStageGroups;
+  };
+  StageScales<NT> sc[D];
+#pragma unroll
+  for (int d = 0; d < D; ++d) {
+    if (d < steps) issue_next(d, sc[d]);
+    sm90::CpAsyncCommitGroup();  // one copy group per step, empty or not: step i's is the i-th
+  }
+  for (int64_t it = 0; it < steps; it += D) {
+#pragma unroll
+    for (int d = 0; d < D; ++d) {
+      if (it + d < steps) {
+        sm90::CpAsyncWaitGroup<D - 1>();  // this lane's copies of step it + d have landed ...
+        __syncwarp();                     // ... and every lane's
+        ComputeStage(stages + d * kStage, static_cast<int>(std::min<int64_t>(kStageGroups, g_end - c_grp)), lane,
+                     sc[d], tot);
+        c_grp += kStageGroups;
+        __syncwarp();  // every lane has read the stage before it is refilled
+        if (it + d + D < steps) issue_next(d, sc[d]);
+        sm90::CpAsyncCommitGroup();
       }
     }
-    cl.sync();  // no block leaves while rank 0 reads its shared memory
   }
-  if (rank == 0 && warp == 0) StoreTile(p, c_tile, tiles_n, g, t, tot);
+  sm90::CpAsyncWaitGroup<0>();
+  __syncthreads();  // every warp is done with its stages: SumSplitK's red reuses them
+  SumSplitK(reinterpret_cast<float*>(smem), warps, warp, lane, cluster, rank, tot);
+  if (rank == 0 && warp == 0) StoreTile(p, tile, tiles_n, g, t, tot);
+}
+
+// The staged kernel's blocks per SM (4 x 48 KB of stages at one token tile) need all of L1 that can be shared
+// memory: a function attribute, set once per device.
+cudaError_t PreferSharedCarveout() {
+  constexpr int kDevices = 64;
+  static std::mutex mu;
+  static bool done[kDevices] = {};
+  int dev = 0;
+  if (cudaError_t e = cudaGetDevice(&dev); e != cudaSuccess) return e;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < kDevices && done[dev]) return cudaSuccess;
+  if (cudaError_t e = cudaFuncSetAttribute(Fp8DecodeStagedKernel<1>, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                           cudaSharedmemCarveoutMaxShared);
+      e != cudaSuccess)
+    return e;
+  if (dev < kDevices) done[dev] = true;
+  return cudaSuccess;
 }
 
 template <int NT>
@@ -296,6 +533,13 @@ cudaError_t Launch(const Fp8DecodeParams& p, const Fp8DecodeLaunch& plan, cudaSt
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
+  if constexpr (NT == 1) {  // the staged kernel is built for one token tile (PlanFp8Decode takes it only there)
+    if (plan.staged) {
+      if (cudaError_t e = PreferSharedCarveout(); e != cudaSuccess) return e;
+      cfg.dynamicSmemBytes = StagedSmemBytes<NT>(plan.warps);
+      return cudaLaunchKernelEx(&cfg, Fp8DecodeStagedKernel<NT>, p, plan);
+    }
+  }
   return cudaLaunchKernelEx(&cfg, Fp8DecodeKernel<NT>, p, plan);
 }
 
@@ -316,7 +560,7 @@ Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, i
   const int64_t tiles = h * ((n + kRows - 1) / kRows);
   const int nt = m <= 8 ? 1 : m <= 16 ? 2 : 4;
   const int64_t resident = static_cast<int64_t>(sms) * (nt == 1 ? 4 : 2);  // 4-warp blocks that fit (registers)
-  Fp8DecodeLaunch plan{kMaxWarps, 1, false, 0};
+  Fp8DecodeLaunch plan{kMaxWarps, 1, false, 0, false};
   plan.warps = static_cast<int>(std::min<int64_t>(kMaxWarps, std::max<int64_t>(groups, 1)));
   if (plan.warps < kMaxWarps && tiles > resident) {  // few K groups, many tiles: one wave walks whole tiles
     plan.warps = kMaxWarps;
@@ -340,6 +584,7 @@ Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, i
     }
   }
   plan.blocks = static_cast<int>(tiles * plan.cluster);
+  plan.staged = nt == 1 && groups >= static_cast<int64_t>(kStagedMinGroups) * plan.cluster * plan.warps;
   return plan;
 }
 

@@ -1,4 +1,4 @@
-// Thin wrappers over the Hopper (sm_90a) PTX this library uses: mbarriers, TMA bulk tensor loads,
+// Thin wrappers over the Hopper (sm_90a) PTX this library uses: mbarriers, TMA bulk tensor loads, cp.async,
 // shared-space loads, wgmma (fp8 e4m3 x e4m3 -> f32; B, and A unless it comes from registers, K-major
 // in shared memory with 128-byte swizzle) and register reallocation. Only what the kernels need; each wrapper is one
 // instruction, named as in the PTX ISA.
@@ -77,6 +77,26 @@ __device__ __forceinline__ uint2 LdShared64(uint32_t addr) {
 }
 __device__ __forceinline__ void StShared32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ void StShared128(uint32_t addr, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// ------------------------------------------------------------------------------------ cp.async (sm_80)
+// 16 bytes global -> shared, in this thread's current copy group: .cg caches in L2 only (bytes read once),
+// .ca through L1 too (bytes every warp of the SM reads).
+__device__ __forceinline__ void CpAsyncCg16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCa16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommitGroup() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed copy groups are pending (its own copies only).
+template <int N>
+__device__ __forceinline__ void CpAsyncWaitGroup() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
 // Four 8 x 8 b16 matrices from shared memory (lane l gives row l % 8 of matrix l / 8): r[j] is
