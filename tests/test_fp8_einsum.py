@@ -289,6 +289,8 @@ def test_stream_k_with_fewer_blocks_than_resident_on_gpu(rng, device, tile_token
     (2, 1, 6344, 4352, "block", "f32", jnp.float32),     # 34 groups: runs of 8 and 9, a last stage of one group
     (7, 1, 3200, 8192, "block", "e8m0fnu", jnp.bfloat16),  # a cluster of 2: its sums through the stages' memory
     (8, 16, 1000, 2048, "row", "f32", jnp.float32),      # per-head (V4 wo_a-like), per-row scales, 2-warp blocks
+    (6, 1, 570, 32768, "block", "codes", jnp.bfloat16),  # a cluster of 8, a last tile of 10 rows
+    (4, 1, 1592, 16384, "row", "f32", jnp.float32),      # a cluster of 4, per-row scales
 ])
 def test_decode_kernel_on_gpu(rng, device, m, h, n, k, recipe, encoding, out_dtype):
     """tile_tokens=8, the one-launch decode kernel (warp MMAs; whole tiles per warp, or K split over warps

@@ -439,6 +439,7 @@ __device__ __forceinline__ void ComputeStage(uint32_t stage, int cnt, int lane, 
 template <int NT>
 __global__ void __launch_bounds__(kMaxWarps * 32, NT == 1 ? 4 : 2)
     Fp8DecodeStagedKernel(Fp8DecodeParams p, Fp8DecodeLaunch plan) {
+  static_assert(NT == 1, "more token tiles need more than 48 KB of stages per block (a shared-memory opt-in)");
   constexpr int D = kDepth;
   constexpr uint32_t kStage = StageBytes<NT>();
   extern __shared__ __align__(128) uint8_t smem[];  // [warps][D] stages; after the loop: SumSplitK's red
@@ -453,7 +454,10 @@ __global__ void __launch_bounds__(kMaxWarps * 32, NT == 1 ? 4 : 2)
   const int64_t steps = (g_end - g_begin + kStageGroups - 1) / kStageGroups;
 
   // This warp's stages. The token rows that no copy writes (past M) are zeros: only their own output columns,
-  // never stored, would see anything else, but so they stay finite.
+  // never stored, would see anything else, but so they stay finite. Weight rows past N are not copied either:
+  // whatever their slots hold reaches only their own accumulator rows, which are never stored.
+  // (LdShared128 reads are ordered after the copies by the volatile asm sequence wait_group, __syncwarp, ld;
+  // the refill is issued after the second __syncwarp.)
   const uint32_t stages = sm90::SmemAddr(smem) + static_cast<uint32_t>(warp * D * kStage);
   for (int i = lane; i < D * 8 * NT * kLanesPerRow; i += 32) {
     const int d = i / (8 * NT * kLanesPerRow), m = i / kLanesPerRow % (8 * NT);
