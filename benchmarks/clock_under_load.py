@@ -1,9 +1,11 @@
 """SM clock and board power while one op runs back to back on the GPU (nvidia-smi sampled every 50 ms).
 
-    python benchmarks/clock_under_load.py [--seconds 2.5]
+    python benchmarks/clock_under_load.py [--seconds 2.5] [--ops prefill decode]
 
-The grouped GEMM at M = 4096 (gate+up, 32 experts; UE8M0 activation scales, which the 128-token e4m3 kernel
-folds into the codes, and float32 ones, which it does not) and XLA's fp8 dot_general at 4096 x 7168 x 7168. Prints
+prefill (the default): the grouped GEMM at M = 4096 (gate+up, 32 experts; UE8M0 activation scales, which the
+128-token e4m3 kernel folds into the codes, and float32 ones, which it does not) and XLA's fp8 dot_general at
+4096 x 7168 x 7168. decode: the fp8 einsum at one token (o_proj, 7168 x 7168, kv_a; UE8M0 codes), the decode
+kernels, which ncu times faster alone than a loop runs them (benchmarks/back_to_back.py). Prints
 per op: the benchmark harness's time, the back-to-back time per call, the median / min / max SM clock over the
 steady part of the run, the median power, the throttle reasons (0x4: software power cap) and the temperature.
 A kernel that `ncu` times faster in one launch than the loop does may be clocked down at the power cap.
@@ -60,8 +62,18 @@ def measure(label, fn, args, seconds):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=2.5, help="back-to-back run per op")
+    p.add_argument("--ops", nargs="+", choices=("prefill", "decode"), default=["prefill"])
     args = p.parse_args()
     key = jax.random.key(0)
+    if "decode" in args.ops:
+        for name, n, k in (("o_proj", 7168, 16384), ("square", 7168, 7168), ("kv_a", 576, 7168)):
+            x8, xs = quant.quantize_fp8_groups(jax.random.normal(key, (1, k), jnp.float32), ue8m0=True)
+            wf = jax.random.normal(jax.random.fold_in(key, 1), (n, k), jnp.float32) * 0.05
+            w8, ws = quant.quantize_fp8_blocks(wf, ue8m0=True)
+            measure(f"einsum {name} M=1", lambda *a: ops.fp8_einsum("md,nd->mn", *a),
+                    (x8, quant.encode_ue8m0(xs), w8, quant.encode_ue8m0(ws)), args.seconds)
+    if "prefill" not in args.ops:
+        return
     x, xs, w, ws, sizes = _grouped_case(key, 4096, 4096, 7168, 0, e=32)
     measure("gate_up M=4096 UE8M0 (folded)", ops.w4a8_grouped_gemm, (x, quant.ceil_to_ue8m0(xs), w, ws, sizes),
             args.seconds)

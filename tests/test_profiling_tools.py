@@ -52,6 +52,16 @@ def test_profile_case_runs_each_case_and_refuses_unknown_ones():
     assert r.returncode != 0 and "invalid choice" in r.stderr
 
 
+def test_back_to_back_prints_the_three_loop_times():
+    r = _run([os.path.join(BENCH, "back_to_back.py"), "--shape", "64", "256", "--calls", "3"])
+    assert r.returncode == 0, r.stderr
+    words = r.stdout.splitlines()[-1].split()  # "64x256 chain C | independent I | slope S"
+    assert words[0] == "64x256" and [words[1], words[4], words[7]] == ["chain", "independent", "slope"]
+    chain, independent = float(words[2]), float(words[5])
+    assert chain > 0 and independent > 0
+    float(words[8])  # the slope: a difference of two timings, any sign on a busy CPU
+
+
 def _build_folder(tmp_path):
     """A self-contained build folder for ab_builds.py: this package's sources plus the compiled modules it
     imports (an editable install keeps those outside the checkout)."""

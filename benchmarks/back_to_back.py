@@ -1,0 +1,89 @@
+"""Per-call time of an fp8 einsum linear in two kinds of loop, to tell a kernel's own time from a loop's costs.
+
+    python benchmarks/back_to_back.py [--linears o_proj kv_a] [--tokens 1] [--calls 40]
+    python benchmarks/back_to_back.py --shape 64 256   # any N K (the CPU handlers too: a smoke run)
+
+For each linear ("md,nd->mn", recipe (1, 128, 128), UE8M0 codes, two weight sets in turn so that the weights
+come from HBM) it prints:
+  chain        the benchmarks' harness (``_common.bench``): each call's inputs wait on the previous call's
+               output (an optimization barrier and a one-element add), as layers of a model do;
+  independent  one jitted program of ``--calls`` calls on distinct activations, nothing between them;
+  slope        the time that ``--calls`` more independent calls add, over their number: the per-call cost
+               without the program's fixed launch and wait.
+Compare with the kernel alone under ncu (``benchmarks/profile_case.py``). H200, thirty-fifth session, o_proj
+at one token: chain 50.6 us, slope 41.8, the kernel alone 33.2 (kv_a 13.4, 11.6, 6.7): the gap is not the chain's.
+"""
+
+import argparse
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+from bench_fp8_einsum import LINEARS  # noqa: E402
+
+from jax_w4a8 import ops, quant  # noqa: E402
+
+
+def _weights(key, n, k):
+    w8, ws = quant.quantize_fp8_blocks(jax.random.normal(key, (n, k), jnp.float32) * 0.05, ue8m0=True)
+    return w8, quant.encode_ue8m0(ws)
+
+
+def _activations(key, m, k):
+    x8, xs = quant.quantize_fp8_groups(jax.random.normal(key, (m, k), jnp.float32), ue8m0=True)
+    return x8, quant.encode_ue8m0(xs)
+
+
+def _linear(x8, xs, w8, ws):
+    return ops.fp8_einsum("md,nd->mn", x8, xs, w8, ws)
+
+
+def _program_seconds(fn, args, rounds=7):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(n, k, m=1, calls=40):
+    """(chain, independent, slope) in microseconds per call for an m x k by n x k linear."""
+    key = jax.random.key(0)
+    ws = [_weights(jax.random.fold_in(key, i), n, k) for i in range(2)]
+    xs = [_activations(jax.random.fold_in(key, 100 + i), m, k) for i in range(2 * calls)]
+    chain = C.bench(_linear, [(*xs[i], *ws[i]) for i in range(2)]) * 1e6
+
+    def many(count):  # count calls, each on its own activations (no two alike: XLA cannot merge them)
+        return jax.jit(lambda xs, ws: [_linear(*xs[i], *ws[i % 2]) for i in range(count)])
+
+    once = _program_seconds(many(calls), (xs[:calls], ws))
+    twice = _program_seconds(many(2 * calls), (xs, ws))
+    return chain, once / calls * 1e6, (twice - once) / calls * 1e6
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--linears", nargs="+", choices=sorted(LINEARS), default=["o_proj", "square", "kv_a", "q_a"])
+    ap.add_argument("--shape", nargs=2, type=int, metavar=("N", "K"), help="one linear of this shape instead")
+    ap.add_argument("--tokens", type=int, default=1, help="M, the tokens per call (default 1)")
+    ap.add_argument("--calls", type=int, default=40, help="calls per independent program (default 40)")
+    args = ap.parse_args(argv)
+    cases = {f"{args.shape[0]}x{args.shape[1]}": tuple(args.shape)} if args.shape else \
+        {name: LINEARS[name] for name in args.linears}
+    print(f"{jax.devices()[0].device_kind}, M = {args.tokens}, us per call", flush=True)
+    for name, (n, k) in cases.items():
+        chain, independent, slope = measure(n, k, args.tokens, args.calls)
+        print(f"{name:12s} chain {chain:7.1f} | independent {independent:7.1f} | slope {slope:7.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
