@@ -30,17 +30,20 @@ from bench_fp8_einsum import LINEARS  # noqa: E402
 from jax_w4a8 import ops, quant  # noqa: E402
 
 
-def _weights(key, n, k):
+def weights(key, n, k):
+    """Random [n, k] weights as e4m3 codes with UE8M0 128 x 128 block scales as uint8 codes [ceil(n/128), k/128]."""
     w8, ws = quant.quantize_fp8_blocks(jax.random.normal(key, (n, k), jnp.float32) * 0.05, ue8m0=True)
     return w8, quant.encode_ue8m0(ws)
 
 
-def _activations(key, m, k):
+def activations(key, m, k):
+    """Random [m, k] activations as e4m3 codes with UE8M0 1 x 128 group scales as uint8 codes [m, k/128]."""
     x8, xs = quant.quantize_fp8_groups(jax.random.normal(key, (m, k), jnp.float32), ue8m0=True)
     return x8, quant.encode_ue8m0(xs)
 
 
-def _linear(x8, xs, w8, ws):
+def linear(x8, xs, w8, ws):
+    """The einsum "md,nd->mn" on the operands above: bfloat16 [m, n]."""
     return ops.fp8_einsum("md,nd->mn", x8, xs, w8, ws)
 
 
@@ -57,12 +60,12 @@ def _program_seconds(fn, args, rounds=7):
 def measure(n, k, m=1, calls=40):
     """(chain, independent, slope) in microseconds per call for an m x k by n x k linear."""
     key = jax.random.key(0)
-    ws = [_weights(jax.random.fold_in(key, i), n, k) for i in range(2)]
-    xs = [_activations(jax.random.fold_in(key, 100 + i), m, k) for i in range(2 * calls)]
-    chain = C.bench(_linear, [(*xs[i], *ws[i]) for i in range(2)]) * 1e6
+    ws = [weights(jax.random.fold_in(key, i), n, k) for i in range(2)]
+    xs = [activations(jax.random.fold_in(key, 100 + i), m, k) for i in range(2 * calls)]
+    chain = C.bench(linear, [(*xs[i], *ws[i]) for i in range(2)]) * 1e6
 
     def many(count):  # count calls, each on its own activations (no two alike: XLA cannot merge them)
-        return jax.jit(lambda xs, ws: [_linear(*xs[i], *ws[i % 2]) for i in range(count)])
+        return jax.jit(lambda xs, ws: [linear(*xs[i], *ws[i % 2]) for i in range(count)])
 
     once = _program_seconds(many(calls), (xs[:calls], ws))
     twice = _program_seconds(many(2 * calls), (xs, ws))

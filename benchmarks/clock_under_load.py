@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
+import back_to_back  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
 from jax_w4a8 import ops, quant  # noqa: E402
@@ -67,11 +68,9 @@ def main():
     key = jax.random.key(0)
     if "decode" in args.ops:
         for name, n, k in (("o_proj", 7168, 16384), ("square", 7168, 7168), ("kv_a", 576, 7168)):
-            x8, xs = quant.quantize_fp8_groups(jax.random.normal(key, (1, k), jnp.float32), ue8m0=True)
-            wf = jax.random.normal(jax.random.fold_in(key, 1), (n, k), jnp.float32) * 0.05
-            w8, ws = quant.quantize_fp8_blocks(wf, ue8m0=True)
-            measure(f"einsum {name} M=1", lambda *a: ops.fp8_einsum("md,nd->mn", *a),
-                    (x8, quant.encode_ue8m0(xs), w8, quant.encode_ue8m0(ws)), args.seconds)
+            measure(f"einsum {name} M=1", back_to_back.linear,
+                    (*back_to_back.activations(key, 1, k), *back_to_back.weights(jax.random.fold_in(key, 1), n, k)),
+                    args.seconds)
     if "prefill" not in args.ops:
         return
     x, xs, w, ws, sizes = _grouped_case(key, 4096, 4096, 7168, 0, e=32)

@@ -36,10 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_w4a8 import ops, quant  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
-CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "absorb_o1", "kv_a1", "kv_a64",
-         "o_proj1", "square64", "square4096", "prefill4k_e4m3", "prefill4k_f16", "prefill16k_e4m3", "prefill16k_f16",
-         "down4k_e4m3", "prefill4k_fold", "down4k_fold")
-# einsum cases: (equation, activation shape, weight shape); the decode kernel's (M <= 32) first
+GROUPED_CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "prefill4k_e4m3", "prefill4k_f16",
+                 "prefill16k_e4m3", "prefill16k_f16", "down4k_e4m3", "prefill4k_fold", "down4k_fold")
+# einsum cases: (equation, activation shape, weight shape); the decode kernels' (one token) first
 EINSUM_CASES = {
     "absorb_o1": ("bhr,hdr->bhd", (1, 128, 512), (128, 128, 512)),  # MLA absorb_o, 128 heads
     "absorb_q1": ("bhr,hdr->bhd", (1, 128, 128), (128, 512, 128)),  # MLA absorb_q: 4096 tiles of one K group
@@ -55,8 +54,9 @@ EINSUM_CASES = {
     "mlp_up1": ("md,nd->mn", (1, 7168), (36864, 7168)),  # a dense layer's gate+up projection
     "kv_a64": ("md,nd->mn", (64, 7168), (576, 7168)),
     "square64": ("md,nd->mn", (64, 7168), (7168, 7168)),
+    "square4096": ("md,nd->mn", (4096, 7168), (7168, 7168)),
 }
-CASES = CASES[:6] + tuple(EINSUM_CASES) + CASES[11:]
+CASES = GROUPED_CASES + tuple(EINSUM_CASES)
 
 
 def _einsum_case(key, eq, x_shape, w_shape):
@@ -87,9 +87,7 @@ def build(case, key):
         m = 4096 if case.startswith("prefill4k") else 16384
         f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=128, mma=case.rsplit("_", 1)[1])
         return jax.jit(f), _grouped_case(key, m, 4096, 7168, 0)
-    if case in EINSUM_CASES:
-        return _einsum_case(key, *EINSUM_CASES[case])
-    return _einsum_case(key, "md,nd->mn", (4096, 7168), (7168, 7168))
+    return _einsum_case(key, *EINSUM_CASES[case])
 
 
 def main():
