@@ -2,6 +2,7 @@
 
     python benchmarks/back_to_back.py [--linears o_proj kv_a] [--tokens 1] [--calls 40]
     python benchmarks/back_to_back.py --shape 64 256   # any N K (the CPU handlers too: a smoke run)
+    python benchmarks/back_to_back.py --linears o_proj --trace   # + each kernel's time inside the loop
 
 For each linear ("md,nd->mn", recipe (1, 128, 128), UE8M0 codes, two weight sets in turn so that the weights
 come from HBM) it prints:
@@ -10,14 +11,22 @@ come from HBM) it prints:
   independent  one jitted program of ``--calls`` calls on distinct activations, nothing between them;
   slope        the time that ``--calls`` more independent calls add, over their number: the per-call cost
                without the program's fixed launch and wait.
+With ``--trace``, the independent program runs once more under the JAX profiler (CUPTI on a GPU) and each
+kernel name in it gets its count, its median duration and the median gap from one kernel's end to the next
+one's start on the same stream: a kernel slower in the loop than alone, or idle time between kernels.
 Compare with the kernel alone under ncu (``benchmarks/profile_case.py``). H200, thirty-fifth session, o_proj
 at one token: chain 50.6 us, slope 41.8, the kernel alone 33.2 (kv_a 13.4, 11.6, 6.7): the gap is not the chain's.
 """
 
 import argparse
+import collections
+import glob
+import gzip
+import json
 import pathlib
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -57,8 +66,45 @@ def _program_seconds(fn, args, rounds=7):
     return statistics.median(times)
 
 
-def measure(n, k, m=1, calls=40):
-    """(chain, independent, slope) in microseconds per call for an m x k by n x k linear."""
+def device_kernels(trace):
+    """The kernel events of a perfetto trace (dict) on its devices: [(stream, name, start_us, duration_us)]
+    sorted by stream and start. A device's events are those of processes named like ``/device:GPU:0``."""
+    events = trace["traceEvents"]
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and "/device:" in e["args"].get("name", "")}
+    kernels = [((e["pid"], e["tid"]), e["name"], float(e["ts"]), float(e["dur"])) for e in events
+               if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+    return sorted(kernels, key=lambda ev: (ev[0], ev[2]))
+
+
+def summarize(kernels):
+    """Per kernel name: (count, median duration, median gap to the next kernel on its stream), in microseconds;
+    the gap is None for a kernel that is never followed on its stream."""
+    durations, gaps = collections.defaultdict(list), collections.defaultdict(list)
+    for (stream, name, start, dur), nxt in zip(kernels, kernels[1:] + [None]):
+        durations[name].append(dur)
+        if nxt is not None and nxt[0] == stream:
+            gaps[name].append(nxt[2] - (start + dur))
+    return {name: (len(d), statistics.median(d), statistics.median(gaps[name]) if gaps[name] else None)
+            for name, d in durations.items()}
+
+
+def trace_kernels(fn, args):
+    """Run ``fn(*args)`` (compiled already) once under the JAX profiler; the device kernels it ran (see
+    :func:`device_kernels`), or [] where the profiler records none (a CPU has no device events)."""
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            jax.block_until_ready(fn(*args))
+        files = glob.glob(f"{logdir}/**/perfetto_trace.json.gz", recursive=True)
+        if not files:
+            return []
+        with gzip.open(files[0]) as f:
+            return device_kernels(json.load(f))
+
+
+def measure(n, k, m=1, calls=40, trace=False):
+    """(chain, independent, slope) in microseconds per call for an m x k by n x k linear, and with ``trace`` the
+    :func:`summarize` of the independent program's kernels (else None)."""
     key = jax.random.key(0)
     ws = [weights(jax.random.fold_in(key, i), n, k) for i in range(2)]
     xs = [activations(jax.random.fold_in(key, 100 + i), m, k) for i in range(2 * calls)]
@@ -67,9 +113,11 @@ def measure(n, k, m=1, calls=40):
     def many(count):  # count calls, each on its own activations (no two alike: XLA cannot merge them)
         return jax.jit(lambda xs, ws: [linear(*xs[i], *ws[i % 2]) for i in range(count)])
 
-    once = _program_seconds(many(calls), (xs[:calls], ws))
+    program = many(calls)
+    once = _program_seconds(program, (xs[:calls], ws))
     twice = _program_seconds(many(2 * calls), (xs, ws))
-    return chain, once / calls * 1e6, (twice - once) / calls * 1e6
+    kernels = summarize(trace_kernels(program, (xs[:calls], ws))) if trace else None
+    return chain, once / calls * 1e6, (twice - once) / calls * 1e6, kernels
 
 
 def main(argv=None):
@@ -78,13 +126,19 @@ def main(argv=None):
     ap.add_argument("--shape", nargs=2, type=int, metavar=("N", "K"), help="one linear of this shape instead")
     ap.add_argument("--tokens", type=int, default=1, help="M, the tokens per call (default 1)")
     ap.add_argument("--calls", type=int, default=40, help="calls per independent program (default 40)")
+    ap.add_argument("--trace", action="store_true", help="each kernel's time and gap inside the independent program")
     args = ap.parse_args(argv)
     cases = {f"{args.shape[0]}x{args.shape[1]}": tuple(args.shape)} if args.shape else \
         {name: LINEARS[name] for name in args.linears}
     print(f"{jax.devices()[0].device_kind}, M = {args.tokens}, us per call", flush=True)
     for name, (n, k) in cases.items():
-        chain, independent, slope = measure(n, k, args.tokens, args.calls)
+        chain, independent, slope, kernels = measure(n, k, args.tokens, args.calls, args.trace)
         print(f"{name:12s} chain {chain:7.1f} | independent {independent:7.1f} | slope {slope:7.1f}", flush=True)
+        if args.trace and not kernels:
+            print("  trace: no device kernel events (a CPU run, or a profiler without CUPTI)", flush=True)
+        for kname, (count, dur, gap) in sorted((kernels or {}).items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+            gap_text = "   -" if gap is None else f"{gap:6.2f}"
+            print(f"  {count:4d} x {dur:8.2f} us, gap after {gap_text} us  {kname[:90]}", flush=True)
     return 0
 
 

@@ -172,3 +172,22 @@ def test_ab_builds_deadline_keeps_the_complete_rounds(tmp_path):
     data = json.loads((tmp_path / "ab_builds.json").read_text())
     assert data["rounds"] == 1 and all(len(data["results"][n]) == 1 for n in ("a", "b"))
     assert data["table"].count("| equal |") == 2 and data["table"] in r.stdout
+
+
+def test_back_to_back_trace_summary_times_each_kernel_and_the_gap_after_it():
+    sys.path.insert(0, BENCH)
+    try:
+        import back_to_back
+    finally:
+        sys.path.remove(BENCH)
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+    # stream 3: a (10 us), gap 2, b (5), gap 4, a (12), gap 1, a (14); stream 4: b (6) alone; a host event.
+    spans = [(3, "a", 0, 10), (3, "b", 12, 5), (3, "a", 21, 12), (3, "a", 34, 14), (4, "b", 5, 6)]
+    events = meta + [{"ph": "X", "pid": 7, "tid": t, "ts": ts, "dur": d, "name": n} for t, n, ts, d in spans[::-1]]
+    events.append({"ph": "X", "pid": 1, "tid": 3, "ts": 1, "dur": 99, "name": "a"})
+    kernels = back_to_back.device_kernels({"traceEvents": events})
+    assert [(k[1], k[2]) for k in kernels] == [("a", 0), ("b", 12), ("a", 21), ("a", 34), ("b", 5)]
+    summary = back_to_back.summarize(kernels)
+    assert summary["a"] == (3, 12, 1.5)  # durations 10 12 14; gaps 2 (to b) and 1 (to a); the last has none
+    assert summary["b"] == (2, 5.5, 4)   # durations 5 and 6; only stream 3's b is followed
