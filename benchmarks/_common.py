@@ -2,15 +2,24 @@
 
 Timing: median over rounds of the mean time of ``n`` back-to-back calls (async dispatch keeps the GPU
 busy), rotating through several input sets so that weights come from HBM, not L2.
+
+Traces: :func:`trace_kernels` runs a callable under the JAX profiler (CUPTI on a GPU) and returns the device's
+kernels; :func:`summarize_kernels` and :func:`kernel_breakdown` say how long each kernel took, what idle
+time followed it, and where a program's time goes by kernel family.
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import glob
+import gzip
 import json
 import os
 import pathlib
+import re
 import statistics
+import tempfile
 import time
 
 import jax
@@ -195,3 +204,90 @@ def update_results_section(name, body):
     else:
         text = text.rstrip() + "\n\n" + head + body.rstrip() + "\n"
     RESULTS.write_text(text)
+
+
+def device_kernels(trace):
+    """The kernel events of a perfetto trace (a dict) on its devices: [(stream, name, start_us, duration_us)],
+    sorted by stream and start. A device's events are those of processes named like ``/device:GPU:0``."""
+    events = trace["traceEvents"]
+    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+               and "/device:" in e["args"].get("name", "")}
+    kernels = [((e["pid"], e["tid"]), e["name"], float(e["ts"]), float(e["dur"])) for e in events
+               if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+    return sorted(kernels, key=lambda ev: (ev[0], ev[2]))
+
+
+def trace_kernels(thunk):
+    """Run ``thunk()`` (compile it first: compilation would be traced too) once under the JAX profiler and wait
+    for its outputs; the device kernels it ran (:func:`device_kernels`), or [] where the profiler records none
+    (a CPU backend has no device events)."""
+    with tempfile.TemporaryDirectory() as logdir:
+        with jax.profiler.trace(logdir, create_perfetto_trace=True):
+            jax.block_until_ready(thunk())
+        files = glob.glob(f"{logdir}/**/perfetto_trace.json.gz", recursive=True)
+        if not files:
+            return []
+        with gzip.open(files[0]) as f:
+            return device_kernels(json.load(f))
+
+
+def summarize_kernels(kernels):
+    """Per kernel name: (count, median duration, median gap to the next kernel on its stream), in microseconds;
+    the gap is None for a kernel that is never followed on its stream."""
+    durations, gaps = collections.defaultdict(list), collections.defaultdict(list)
+    for (stream, name, start, dur), nxt in zip(kernels, kernels[1:] + [None]):
+        durations[name].append(dur)
+        if nxt is not None and nxt[0] == stream:
+            gaps[name].append(nxt[2] - (start + dur))
+    return {name: (len(d), statistics.median(d), statistics.median(gaps[name]) if gaps[name] else None)
+            for name, d in durations.items()}
+
+
+def kernel_family(name):
+    """A kernel's short name: no return type, namespaces, template arguments or parameters, and no trailing
+    ``_N`` instance number (XLA's ``loop_add_fusion_12`` -> ``loop_add_fusion``); CUTLASS's
+    ``device_kernel<...GemmUniversal<...>>`` is named by its kernel type (``GemmUniversal``)."""
+    name = re.sub(r"^void\s+", "", name.strip()).replace("(anonymous namespace)", "")
+    depth, out, inner = 0, [], []
+    for ch in name:  # keep depth 0 up to the first "(": no template arguments or parameters
+        if ch == "(" and depth == 0:
+            break
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+        if depth > 0 and not (ch == "<" and depth == 1):
+            inner.append(ch)
+    short = "".join(out).rsplit("::", 1)[-1].strip()
+    if short == "device_kernel" and inner:
+        return kernel_family("".join(inner))
+    return re.sub(r"_\d+$", "", short) or name
+
+
+def kernel_breakdown(kernels, repeats=1):
+    """Where a traced program's device time goes: (rows, busy_us, span_us), per repeat of the program.
+
+    rows: per :func:`kernel_family`, highest time first, dicts of ``family``, ``count`` and ``us`` (kernels and
+    their summed time per repeat) and ``median_us`` (one kernel's median). busy_us: the time at least one kernel
+    ran (overlapping kernels count once); span_us: first start to last end; the difference is idle device time.
+    """
+    if not kernels:
+        return [], 0.0, 0.0
+    fam = collections.defaultdict(list)
+    for _, name, _, dur in kernels:
+        fam[kernel_family(name)].append(dur)
+    rows = [dict(family=f, count=len(d) / repeats, us=sum(d) / repeats, median_us=statistics.median(d))
+            for f, d in fam.items()]
+    rows.sort(key=lambda r: -r["us"])
+    spans = sorted((start, start + dur) for _, _, start, dur in kernels)
+    busy, (lo, hi) = 0.0, spans[0]
+    for start, end in spans[1:]:
+        if start > hi:
+            busy, lo, hi = busy + hi - lo, start, end
+        else:
+            hi = max(hi, end)
+    busy += hi - lo
+    span = max(end for _, end in spans) - spans[0][0]
+    return rows, busy / repeats, span / repeats

@@ -19,14 +19,9 @@ at one token: chain 50.6 us, slope 41.8, the kernel alone 33.2 (kv_a 13.4, 11.6,
 """
 
 import argparse
-import collections
-import glob
-import gzip
-import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -66,45 +61,9 @@ def _program_seconds(fn, args, rounds=7):
     return statistics.median(times)
 
 
-def device_kernels(trace):
-    """The kernel events of a perfetto trace (dict) on its devices: [(stream, name, start_us, duration_us)]
-    sorted by stream and start. A device's events are those of processes named like ``/device:GPU:0``."""
-    events = trace["traceEvents"]
-    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-               and "/device:" in e["args"].get("name", "")}
-    kernels = [((e["pid"], e["tid"]), e["name"], float(e["ts"]), float(e["dur"])) for e in events
-               if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
-    return sorted(kernels, key=lambda ev: (ev[0], ev[2]))
-
-
-def summarize(kernels):
-    """Per kernel name: (count, median duration, median gap to the next kernel on its stream), in microseconds;
-    the gap is None for a kernel that is never followed on its stream."""
-    durations, gaps = collections.defaultdict(list), collections.defaultdict(list)
-    for (stream, name, start, dur), nxt in zip(kernels, kernels[1:] + [None]):
-        durations[name].append(dur)
-        if nxt is not None and nxt[0] == stream:
-            gaps[name].append(nxt[2] - (start + dur))
-    return {name: (len(d), statistics.median(d), statistics.median(gaps[name]) if gaps[name] else None)
-            for name, d in durations.items()}
-
-
-def trace_kernels(fn, args):
-    """Run ``fn(*args)`` (compiled already) once under the JAX profiler; the device kernels it ran (see
-    :func:`device_kernels`), or [] where the profiler records none (a CPU has no device events)."""
-    with tempfile.TemporaryDirectory() as logdir:
-        with jax.profiler.trace(logdir, create_perfetto_trace=True):
-            jax.block_until_ready(fn(*args))
-        files = glob.glob(f"{logdir}/**/perfetto_trace.json.gz", recursive=True)
-        if not files:
-            return []
-        with gzip.open(files[0]) as f:
-            return device_kernels(json.load(f))
-
-
 def measure(n, k, m=1, calls=40, trace=False):
     """(chain, independent, slope) in microseconds per call for an m x k by n x k linear, and with ``trace`` the
-    :func:`summarize` of the independent program's kernels (else None)."""
+    :func:`_common.summarize_kernels` of the independent program's kernels (else None)."""
     key = jax.random.key(0)
     ws = [weights(jax.random.fold_in(key, i), n, k) for i in range(2)]
     xs = [activations(jax.random.fold_in(key, 100 + i), m, k) for i in range(2 * calls)]
@@ -116,7 +75,7 @@ def measure(n, k, m=1, calls=40, trace=False):
     program = many(calls)
     once = _program_seconds(program, (xs[:calls], ws))
     twice = _program_seconds(many(2 * calls), (xs, ws))
-    kernels = summarize(trace_kernels(program, (xs[:calls], ws))) if trace else None
+    kernels = C.summarize_kernels(C.trace_kernels(lambda: program(xs[:calls], ws))) if trace else None
     return chain, once / calls * 1e6, (twice - once) / calls * 1e6, kernels
 
 

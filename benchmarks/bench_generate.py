@@ -2,6 +2,8 @@
 
     python benchmarks/bench_generate.py [--layers 3] [--out DIR] [--results]     # on one H200
     python benchmarks/bench_generate.py --tiny                                     # CPU smoke test
+    python benchmarks/bench_generate.py --layers 2 --variants w4a8 --prefill --trace-steps 4
+                                                         # + where a decode step's device time goes
     python benchmarks/bench_generate.py --layers 61 --variants w4a8 --expert-parallel 8 --batches 1 16 64 256
                                                          # R1-sized W4A8 model over 8 GPUs (issue #8)
 
@@ -23,6 +25,11 @@ Measured, through :class:`jax_w4a8.models.deepseek.generate.Generator` (the code
 * prefill: one prompt of 1024 and of 4096 tokens (batch 1), tokens/s (median of a few calls);
 * decode: one step at batch 1, 16 and 64 with a latent cache of ``--context`` filled slots, per-step latency
   (wall clock of a run of back-to-back steps, dispatched from Python as generate() does) and tokens/s.
+
+With ``--trace-steps N``, N more decode steps per batch run under the JAX profiler (CUPTI) and a per-step
+breakdown is printed and kept in the JSON row: the time some kernel ran, first start to last end (the rest is
+idle device time: launches, host dispatch), and per kernel family (``loop_add_fusion``, ``Fp8DecodeKernel``,
+...) its kernels per step, their time and one kernel's median.
 
 Prints a table; writes ``generate.json`` to ``--out`` (default ``$OUT``, else ``benchmarks/out``) after
 every variant; ``--results`` also rewrites the ``generate`` section of benchmarks/RESULTS.md, and
@@ -248,7 +255,9 @@ def bench_prefill(gen, cfg, t: int, reps: int):
     return statistics.median(times), t_first
 
 
-def bench_decode(gen, cfg, batch: int, context: int, steps: int):
+def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: int = 0):
+    """(seconds per step, warm-up seconds, trace): ``trace`` is None, or with ``trace_steps`` the
+    :func:`_common.kernel_breakdown` of that many more steps run under the JAX profiler (per step)."""
     import jax
     import jax.numpy as jnp
 
@@ -273,8 +282,30 @@ def bench_decode(gen, cfg, batch: int, context: int, steps: int):
         cache, state = gen.decode(cache, state, mode, key, sampling)
     jax.block_until_ready(state.tokens)
     dt = (time.perf_counter() - t0) / steps
+    trace = None
+    if trace_steps:
+        def run():
+            nonlocal cache, state
+            for _ in range(trace_steps):
+                cache, state = gen.decode(cache, state, mode, key, sampling)
+            return state.tokens
+
+        trace = C.kernel_breakdown(C.trace_kernels(run), trace_steps)
     del cache
-    return dt, t_warm
+    return dt, t_warm, trace
+
+
+def print_breakdown(label, step_us, trace, top=14):
+    """The per-step kernel breakdown of :func:`bench_decode`'s trace, as a few lines."""
+    rows, busy, span = trace
+    if not rows:
+        print(f"  {label}: no device kernel events in the trace (a CPU run, or a profiler without CUPTI)", flush=True)
+        return
+    print(f"  {label}: step {step_us:.1f} us (timed run); traced steps: kernels busy {busy:.1f} us per step, "
+          f"first start to last end {span:.1f} us, {sum(r['count'] for r in rows):.0f} kernels per step", flush=True)
+    for r in rows[:top]:
+        print(f"    {r['us']:8.1f} us {100 * r['us'] / busy:5.1f}%  {r['count']:6.1f} x {r['median_us']:7.2f} us  "
+              f"{r['family'][:70]}", flush=True)
 
 
 def run_variant(name, model, cfg, args, rows):
@@ -295,14 +326,20 @@ def run_variant(name, model, cfg, args, rows):
         gc.collect()
     for b in args.batches:
         try:
-            s, warm = bench_decode(gen, cfg, b, args.context, args.steps)
+            s, warm, trace = bench_decode(gen, cfg, b, args.context, args.steps, args.trace_steps)
             r = dict(model=name, phase="decode", batch=b, tokens=args.context, ms=round(s * 1e3, 3),
                      tokens_per_s=round(b / s, 1), compile_s=round(warm - 3 * s, 1))
         except Exception as exc:  # noqa: BLE001
-            r = dict(model=name, phase="decode", batch=b, tokens=args.context,
-                     error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            r, trace = dict(model=name, phase="decode", batch=b, tokens=args.context,
+                            error=f"{type(exc).__name__}: {str(exc)[:200]}"), None
         rows.append(r)
         print(C.fmt_table([r], list(r)), flush=True)
+        if trace is not None:
+            print_breakdown(f"{name} decode batch {b}", s * 1e6, trace)
+            kernels, busy, span = trace
+            r["trace"] = dict(busy_us=round(busy, 1), span_us=round(span, 1),
+                              kernels=[{k: round(v, 2) if isinstance(v, float) else v for k, v in t.items()}
+                                       for t in kernels[:20]])
         gc.collect()
     del gen
 
@@ -381,6 +418,9 @@ def main(argv=None):
     p.add_argument("--batches", type=int, nargs="*", default=[1, 16, 64], help="decode batch sizes")
     p.add_argument("--context", type=int, default=1024, help="filled cache slots during decode")
     p.add_argument("--steps", type=int, default=16, help="timed decode steps")
+    p.add_argument("--trace-steps", type=int, default=0, metavar="N",
+                   help="after timing, trace N more decode steps (JAX profiler) and print where a step's device "
+                        "time goes, by kernel family")
     p.add_argument("--variants", nargs="*", default=["w4a8", "bf16_ragged_dot", "bf16_pallas"])
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",

@@ -128,17 +128,20 @@ def test_text_stream_holds_back_partial_utf8():
 
 
 def test_bench_generate_tiny_runs(tmp_path):
-    """benchmarks/bench_generate.py --tiny (the H200 benchmark's CPU smoke test): both CPU variants measured."""
+    """benchmarks/bench_generate.py --tiny (the H200 benchmark's CPU smoke test): both CPU variants measured; the
+    decode trace runs too (a CPU backend records no device kernels: an empty breakdown)."""
     import json
 
     bench = _load_bench_generate()
-    assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--out", str(tmp_path)]) == 0
+    assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--trace-steps", "1",
+                       "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "generate.json").read_text())
     got = {(r["model"], r["phase"]): r for r in payload["rows"]}
     assert set(got) == {("w4a8", "prefill"), ("w4a8", "decode"), ("bf16_ragged_dot", "prefill"),
                         ("bf16_ragged_dot", "decode")}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in got.values()), payload["rows"]
     assert payload["summary"] and "w4a8 / best bf16" in payload["summary"][0]
+    assert got[("w4a8", "decode")]["trace"] == {"busy_us": 0.0, "span_us": 0.0, "kernels": []}
 
 
 def _load_bench_generate():

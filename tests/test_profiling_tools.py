@@ -174,20 +174,56 @@ def test_ab_builds_deadline_keeps_the_complete_rounds(tmp_path):
     assert data["table"].count("| equal |") == 2 and data["table"] in r.stdout
 
 
-def test_back_to_back_trace_summary_times_each_kernel_and_the_gap_after_it():
+def _common():
     sys.path.insert(0, BENCH)
     try:
-        import back_to_back
+        import _common
     finally:
         sys.path.remove(BENCH)
+    return _common
+
+
+def _trace(spans):
+    """A perfetto trace dict: kernels (stream, name, start, duration) on /device:GPU:0, plus one host event."""
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
             {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
-    # stream 3: a (10 us), gap 2, b (5), gap 4, a (12), gap 1, a (14); stream 4: b (6) alone; a host event.
-    spans = [(3, "a", 0, 10), (3, "b", 12, 5), (3, "a", 21, 12), (3, "a", 34, 14), (4, "b", 5, 6)]
     events = meta + [{"ph": "X", "pid": 7, "tid": t, "ts": ts, "dur": d, "name": n} for t, n, ts, d in spans[::-1]]
-    events.append({"ph": "X", "pid": 1, "tid": 3, "ts": 1, "dur": 99, "name": "a"})
-    kernels = back_to_back.device_kernels({"traceEvents": events})
+    return {"traceEvents": events + [{"ph": "X", "pid": 1, "tid": 3, "ts": 1, "dur": 99, "name": "a"}]}
+
+
+def test_trace_summary_times_each_kernel_and_the_gap_after_it():
+    C = _common()
+    # stream 3: a (10 us), gap 2, b (5), gap 4, a (12), gap 1, a (14); stream 4: b (6) alone; a host event.
+    kernels = C.device_kernels(_trace([(3, "a", 0, 10), (3, "b", 12, 5), (3, "a", 21, 12), (3, "a", 34, 14),
+                                       (4, "b", 5, 6)]))
     assert [(k[1], k[2]) for k in kernels] == [("a", 0), ("b", 12), ("a", 21), ("a", 34), ("b", 5)]
-    summary = back_to_back.summarize(kernels)
+    summary = C.summarize_kernels(kernels)
     assert summary["a"] == (3, 12, 1.5)  # durations 10 12 14; gaps 2 (to b) and 1 (to a); the last has none
     assert summary["b"] == (2, 5.5, 4)   # durations 5 and 6; only stream 3's b is followed
+
+
+def test_kernel_family_names_kernels_by_their_short_name():
+    C = _common()
+    cases = {
+        "void jax_w4a8::(anonymous namespace)::Fp8DecodeStagedKernel<1>(jax_w4a8::DecodeParams, Plan)":
+            "Fp8DecodeStagedKernel",
+        "loop_add_fusion_12": "loop_add_fusion",
+        "input_reduce_fusion": "input_reduce_fusion",
+        "void cutlass::device_kernel<cutlass::gemm::kernel::GemmUniversal<A<1>, B> >(P)": "GemmUniversal",
+        "void (anonymous namespace)::QuantizeKernel<__nv_bfloat16, 4>(const X*)": "QuantizeKernel",
+        "sm90_xmma_gemm_e4m3bf16_tn_n_kernel__5x_cublas": "sm90_xmma_gemm_e4m3bf16_tn_n_kernel__5x_cublas",
+    }
+    assert {name: C.kernel_family(name) for name in cases} == cases
+
+
+def test_kernel_breakdown_sums_families_per_repeat_and_counts_overlap_once():
+    C = _common()
+    # Two repeats of a program: fusion_1 (10 us), Gemm<2> (30), fusion_2 (4, overlapping the Gemm on stream 4).
+    spans = [(3, "loop_fusion_1", 0, 10), (3, "void ns::Gemm<2>(P)", 12, 30), (4, "loop_fusion_2", 20, 4),
+             (3, "loop_fusion_1", 50, 10), (3, "void ns::Gemm<2>(P)", 61, 30), (4, "loop_fusion_2", 70, 4)]
+    rows, busy, span = C.kernel_breakdown(C.device_kernels(_trace(spans)), repeats=2)
+    assert [(r["family"], r["count"], r["us"], r["median_us"]) for r in rows] == [
+        ("Gemm", 1, 30, 30), ("loop_fusion", 2, 14, 7)]
+    assert busy == (10 + 30 + 10 + 30) / 2  # the overlapping fusion adds nothing
+    assert span == 91 / 2                   # 0 .. 91
+    assert C.kernel_breakdown([]) == ([], 0.0, 0.0)
