@@ -208,12 +208,23 @@ def update_results_section(name, body):
 
 def device_kernels(trace):
     """The kernel events of a perfetto trace (a dict) on its devices: [(stream, name, start_us, duration_us)],
-    sorted by stream and start. A device's events are those of processes named like ``/device:GPU:0``."""
+    sorted by stream and start. A device's events are those of processes named like ``/device:GPU:0``, on its
+    stream threads (named ``Stream #13(Kernel)`` and the like) where it names them: the profiler's derived lines
+    of a device (``XLA Ops``, ``XLA Modules``, ``Steps``) repeat the kernels' spans and are left out."""
     events = trace["traceEvents"]
-    devices = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-               and "/device:" in e["args"].get("name", "")}
+    meta = [e for e in events if e.get("ph") == "M"]
+    devices = {e["pid"] for e in meta if e.get("name") == "process_name" and "/device:" in e["args"].get("name", "")}
+    named = collections.defaultdict(dict)
+    for e in meta:
+        if e.get("name") == "thread_name" and e.get("pid") in devices:
+            named[e["pid"]][e.get("tid")] = e["args"].get("name", "")
+
+    def on_stream(e):
+        threads = named.get(e["pid"])
+        return not threads or threads.get(e.get("tid"), "").startswith("Stream")
+
     kernels = [((e["pid"], e["tid"]), e["name"], float(e["ts"]), float(e["dur"])) for e in events
-               if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+               if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e and on_stream(e)]
     return sorted(kernels, key=lambda ev: (ev[0], ev[2]))
 
 

@@ -191,6 +191,14 @@ def _trace(spans):
     return {"traceEvents": events + [{"ph": "X", "pid": 1, "tid": 3, "ts": 1, "dur": 99, "name": "a"}]}
 
 
+def test_device_kernels_keeps_the_stream_threads_of_a_device_that_names_them():
+    C = _common()
+    trace = _trace([(3, "k", 0, 10), (4, "fusion.1", 0, 10), (5, "jit_step(1)", 0, 12)])
+    trace["traceEvents"] += [{"ph": "M", "pid": 7, "tid": t, "name": "thread_name", "args": {"name": n}}
+                             for t, n in ((3, "Stream #13(Kernel)"), (4, "XLA Ops"), (5, "XLA Modules"))]
+    assert [k[1] for k in C.device_kernels(trace)] == ["k"]
+
+
 def test_trace_summary_times_each_kernel_and_the_gap_after_it():
     C = _common()
     # stream 3: a (10 us), gap 2, b (5), gap 4, a (12), gap 1, a (14); stream 4: b (6) alone; a host event.
