@@ -3,6 +3,7 @@
     python benchmarks/back_to_back.py [--linears o_proj kv_a] [--tokens 1] [--calls 40]
     python benchmarks/back_to_back.py --shape 64 256   # any N K (the CPU handlers too: a smoke run)
     python benchmarks/back_to_back.py --linears o_proj --trace   # + each kernel's time inside the loop
+    python benchmarks/back_to_back.py --linears kv_a --floor     # + a trivial XLA op and a trivial custom call
 
 For each linear ("md,nd->mn", recipe (1, 128, 128), UE8M0 codes, two weight sets in turn so that the weights
 come from HBM) it prints:
@@ -61,22 +62,51 @@ def _program_seconds(fn, args, rounds=7):
     return statistics.median(times)
 
 
+def loop_times(fn, inputs, shared=(), calls=40, trace=False):
+    """(chain, independent, slope) in microseconds per call of ``fn(*inputs[i], *shared)``, and with ``trace``
+    the :func:`_common.summarize_kernels` of the independent program's kernels (else None). ``inputs``: at least
+    ``2 * calls`` tuples of per-call arguments (distinct, so that XLA cannot merge calls); ``shared``: arguments
+    of every call (a linear's two weight sets are taken in turn: pass them in ``inputs``' tuples instead)."""
+    chain = C.bench(fn, [(*inputs[i], *shared) for i in range(2)]) * 1e6
+
+    def many(count):
+        return jax.jit(lambda ins, sh: [fn(*ins[i], *sh) for i in range(count)])
+
+    program = many(calls)
+    once = _program_seconds(program, (inputs[:calls], shared))
+    twice = _program_seconds(many(2 * calls), (inputs[:2 * calls], shared))
+    kernels = C.summarize_kernels(C.trace_kernels(lambda: program(inputs[:calls], shared))) if trace else None
+    return chain, once / calls * 1e6, (twice - once) / calls * 1e6, kernels
+
+
 def measure(n, k, m=1, calls=40, trace=False):
-    """(chain, independent, slope) in microseconds per call for an m x k by n x k linear, and with ``trace`` the
-    :func:`_common.summarize_kernels` of the independent program's kernels (else None)."""
+    """:func:`loop_times` of an m x k by n x k linear, two weight sets taken in turn."""
     key = jax.random.key(0)
     ws = [weights(jax.random.fold_in(key, i), n, k) for i in range(2)]
     xs = [activations(jax.random.fold_in(key, 100 + i), m, k) for i in range(2 * calls)]
-    chain = C.bench(linear, [(*xs[i], *ws[i]) for i in range(2)]) * 1e6
+    return loop_times(linear, [(*xs[i], *ws[i % 2]) for i in range(2 * calls)], calls=calls, trace=trace)
 
-    def many(count):  # count calls, each on its own activations (no two alike: XLA cannot merge them)
-        return jax.jit(lambda xs, ws: [linear(*xs[i], *ws[i % 2]) for i in range(count)])
 
-    program = many(calls)
-    once = _program_seconds(program, (xs[:calls], ws))
-    twice = _program_seconds(many(2 * calls), (xs, ws))
-    kernels = C.summarize_kernels(C.trace_kernels(lambda: program(xs[:calls], ws))) if trace else None
-    return chain, once / calls * 1e6, (twice - once) / calls * 1e6, kernels
+def floors(calls=40, trace=False):
+    """:func:`loop_times` of two trivial ops, {name: times}: an XLA op (``v * 2`` on 128 bf16 values: one
+    fusion) and a custom call (``ops.quantize_fp8_groups`` of one 128-value group: one small kernel). What a
+    loop costs per call beyond the kernels, for an XLA kernel and for a custom call (a custom call in XLA's
+    command buffers is a child graph of its own). XLA may merge the independent XLA ops into fewer kernels
+    (``--trace`` shows it); the chain keeps them apart."""
+    key = jax.random.key(1)
+    vs = [(jax.random.normal(jax.random.fold_in(key, i), (1, 128), jnp.bfloat16),) for i in range(2 * calls)]
+    return {"xla v*2 (128)": loop_times(lambda v: v * 2, vs, calls=calls, trace=trace),
+            "custom call (quantize 128)": loop_times(ops.quantize_fp8_groups, vs, calls=calls, trace=trace)}
+
+
+def _print(name, times, trace):
+    chain, independent, slope, kernels = times
+    print(f"{name:26s} chain {chain:7.1f} | independent {independent:7.1f} | slope {slope:7.1f}", flush=True)
+    if trace and not kernels:
+        print("  trace: no device kernel events (a CPU run, or a profiler without CUPTI)", flush=True)
+    for kname, (count, dur, gap) in sorted((kernels or {}).items(), key=lambda kv: -kv[1][0] * kv[1][1]):
+        gap_text = "   -" if gap is None else f"{gap:6.2f}"
+        print(f"  {count:4d} x {dur:8.2f} us, gap after {gap_text} us  {kname[:90]}", flush=True)
 
 
 def main(argv=None):
@@ -86,18 +116,17 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=1, help="M, the tokens per call (default 1)")
     ap.add_argument("--calls", type=int, default=40, help="calls per independent program (default 40)")
     ap.add_argument("--trace", action="store_true", help="each kernel's time and gap inside the independent program")
+    ap.add_argument("--floor", action="store_true",
+                    help="also a trivial XLA op and a trivial custom call: the loop's own cost per call for each")
     args = ap.parse_args(argv)
     cases = {f"{args.shape[0]}x{args.shape[1]}": tuple(args.shape)} if args.shape else \
         {name: LINEARS[name] for name in args.linears}
     print(f"{jax.devices()[0].device_kind}, M = {args.tokens}, us per call", flush=True)
+    if args.floor:
+        for name, times in floors(args.calls, args.trace).items():
+            _print(name, times, args.trace)
     for name, (n, k) in cases.items():
-        chain, independent, slope, kernels = measure(n, k, args.tokens, args.calls, args.trace)
-        print(f"{name:12s} chain {chain:7.1f} | independent {independent:7.1f} | slope {slope:7.1f}", flush=True)
-        if args.trace and not kernels:
-            print("  trace: no device kernel events (a CPU run, or a profiler without CUPTI)", flush=True)
-        for kname, (count, dur, gap) in sorted((kernels or {}).items(), key=lambda kv: -kv[1][0] * kv[1][1]):
-            gap_text = "   -" if gap is None else f"{gap:6.2f}"
-            print(f"  {count:4d} x {dur:8.2f} us, gap after {gap_text} us  {kname[:90]}", flush=True)
+        _print(name, measure(n, k, args.tokens, args.calls, args.trace), args.trace)
     return 0
 
 

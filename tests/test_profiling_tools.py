@@ -53,9 +53,11 @@ def test_profile_case_runs_each_case_and_refuses_unknown_ones():
 
 
 def test_back_to_back_prints_the_three_loop_times():
-    r = _run([os.path.join(BENCH, "back_to_back.py"), "--shape", "64", "256", "--calls", "3"])
+    r = _run([os.path.join(BENCH, "back_to_back.py"), "--shape", "64", "256", "--calls", "3", "--floor"])
     assert r.returncode == 0, r.stderr
-    words = r.stdout.splitlines()[-1].split()  # "64x256 chain C | independent I | slope S"
+    lines = r.stdout.splitlines()
+    assert lines[1].startswith("xla v*2 (128) ") and lines[2].startswith("custom call (quantize 128) ")
+    words = lines[-1].split()  # "64x256 chain C | independent I | slope S"
     assert words[0] == "64x256" and [words[1], words[4], words[7]] == ["chain", "independent", "slope"]
     chain, independent = float(words[2]), float(words[5])
     assert chain > 0 and independent > 0
