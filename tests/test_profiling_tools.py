@@ -237,3 +237,34 @@ def test_kernel_breakdown_sums_families_per_repeat_and_counts_overlap_once():
     assert busy == (10 + 30 + 10 + 30) / 2  # the overlapping fusion adds nothing
     assert span == 91 / 2                   # 0 .. 91
     assert C.kernel_breakdown([]) == ([], 0.0, 0.0)
+
+
+def _nvcc():
+    import glob
+    import shutil
+
+    found = shutil.which("nvcc") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/nvcc"))), None)
+    return found
+
+
+@pytest.mark.parametrize("probe", ["read_bandwidth.cu", "read_bandwidth_o_proj.cu", "graph_launch_probe.cu"])
+def test_cuda_probes_build_with_their_documented_command(tmp_path, probe):
+    """The standalone CUDA probes of benchmarks/ (run by hand on the GPU machine) build with the nvcc command in
+    their header comment, run from the repository root; without a GPU the launch probe says so and fails."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("nvcc not found")
+    header = pathlib.Path(BENCH, probe).read_text().splitlines()[:30]
+    command = next(line for line in header if "nvcc " in line).split("//", 1)[1].split("&&")[0].split()
+    assert command[0] == "nvcc" and command[-1] == f"benchmarks/{probe}", command
+    exe = tmp_path / "probe"
+    out = command.index("-o")
+    command[0], command[out + 1] = nvcc, str(exe)
+    r = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    if probe == "graph_launch_probe.cu":
+        run = subprocess.run([str(exe)], capture_output=True, text=True, timeout=300)
+        if run.returncode != 0:
+            assert "no CUDA device" in run.stdout
+        else:  # a GPU: each of the three shapes timed alone, then its chains (or why a capture failed)
+            assert run.stdout.count("alone") == 3, run.stdout
