@@ -206,14 +206,16 @@ def update_results_section(name, body):
     RESULTS.write_text(text)
 
 
-def device_kernels(trace):
+def device_kernels(trace, device=None):
     """The kernel events of a perfetto trace (a dict) on its devices: [(stream, name, start_us, duration_us)],
-    sorted by stream and start. A device's events are those of processes named like ``/device:GPU:0``, on its
-    stream threads (named ``Stream #13(Kernel)`` and the like) where it names them: the profiler's derived lines
-    of a device (``XLA Ops``, ``XLA Modules``, ``Steps``) repeat the kernels' spans and are left out."""
+    sorted by stream and start. A device's events are those of processes named like ``/device:GPU:0`` (only
+    device number ``device`` when given), on its stream threads (named ``Stream #13(Kernel)`` and the like)
+    where it names them: the profiler's derived lines of a device (``XLA Ops``, ``XLA Modules``, ``Steps``)
+    repeat the kernels' spans and are left out."""
     events = trace["traceEvents"]
     meta = [e for e in events if e.get("ph") == "M"]
-    devices = {e["pid"] for e in meta if e.get("name") == "process_name" and "/device:" in e["args"].get("name", "")}
+    wanted = re.compile(r"/device:[A-Za-z_]+:" + (r"\d+" if device is None else str(int(device))) + r"\b")
+    devices = {e["pid"] for e in meta if e.get("name") == "process_name" and wanted.search(e["args"].get("name", ""))}
     named = collections.defaultdict(dict)
     for e in meta:
         if e.get("name") == "thread_name" and e.get("pid") in devices:
@@ -228,10 +230,25 @@ def device_kernels(trace):
     return sorted(kernels, key=lambda ev: (ev[0], ev[2]))
 
 
-def trace_kernels(thunk):
+PROFILE_GRAPHS_FLAG = "--xla_enable_command_buffers_during_profiling=true"
+
+
+def keep_command_buffers_while_profiling():
+    """While the profiler runs, XLA executes its command buffers op by op ("disabled for profiling") unless
+    ``--xla_enable_command_buffers_during_profiling=true``: adds that flag to ``XLA_FLAGS``, so that a trace
+    shows the CUDA graphs that a timed run executes. Effective only before JAX's backend starts (the first
+    device use); returns whether the flag is set now."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_enable_command_buffers_during_profiling" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " " + PROFILE_GRAPHS_FLAG).strip()
+    return PROFILE_GRAPHS_FLAG in os.environ["XLA_FLAGS"]
+
+
+def trace_kernels(thunk, device=None):
     """Run ``thunk()`` (compile it first: compilation would be traced too) once under the JAX profiler and wait
     for its outputs; the device kernels it ran (:func:`device_kernels`), or [] where the profiler records none
-    (a CPU backend has no device events)."""
+    (a CPU backend has no device events). Unless :func:`keep_command_buffers_while_profiling` ran before the
+    backend started, XLA runs its command buffers op by op while tracing: kernel times then hold, gaps do not."""
     with tempfile.TemporaryDirectory() as logdir:
         with jax.profiler.trace(logdir, create_perfetto_trace=True):
             jax.block_until_ready(thunk())
@@ -239,7 +256,7 @@ def trace_kernels(thunk):
         if not files:
             return []
         with gzip.open(files[0]) as f:
-            return device_kernels(json.load(f))
+            return device_kernels(json.load(f), device)
 
 
 def summarize_kernels(kernels):

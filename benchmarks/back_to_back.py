@@ -14,7 +14,10 @@ come from HBM) it prints:
                without the program's fixed launch and wait.
 With ``--trace``, the independent program runs once more under the JAX profiler (CUPTI on a GPU) and each
 kernel name in it gets its count, its median duration and the median gap from one kernel's end to the next
-one's start on the same stream: a kernel slower in the loop than alone, or idle time between kernels.
+one's start on the same stream: a kernel slower in the loop than alone, or idle time between kernels. XLA's
+command buffers (CUDA graphs) stay on while tracing (``--xla_enable_command_buffers_during_profiling``), so
+the trace shows what the timed loops ran; ``--trace-op-by-op`` leaves XLA's default, which runs them op by op
+while profiling (true kernel times, other gaps).
 Compare with the kernel alone under ncu (``benchmarks/profile_case.py``). H200, thirty-fifth session, o_proj
 at one token: chain 50.6 us, slope 41.8, the kernel alone 33.2 (kv_a 13.4, 11.6, 6.7): the gap is not the chain's.
 """
@@ -116,9 +119,13 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=1, help="M, the tokens per call (default 1)")
     ap.add_argument("--calls", type=int, default=40, help="calls per independent program (default 40)")
     ap.add_argument("--trace", action="store_true", help="each kernel's time and gap inside the independent program")
+    ap.add_argument("--trace-op-by-op", action="store_true",
+                    help="with --trace: let XLA run its command buffers op by op while profiling (its default)")
     ap.add_argument("--floor", action="store_true",
                     help="also a trivial XLA op and a trivial custom call: the loop's own cost per call for each")
     args = ap.parse_args(argv)
+    if args.trace and not args.trace_op_by_op:
+        C.keep_command_buffers_while_profiling()  # before the backend starts (jax.devices() below)
     cases = {f"{args.shape[0]}x{args.shape[1]}": tuple(args.shape)} if args.shape else \
         {name: LINEARS[name] for name in args.linears}
     print(f"{jax.devices()[0].device_kind}, M = {args.tokens}, us per call", flush=True)

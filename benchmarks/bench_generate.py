@@ -26,8 +26,9 @@ Measured, through :class:`jax_w4a8.models.deepseek.generate.Generator` (the code
 * decode: one step at batch 1, 16 and 64 with a latent cache of ``--context`` filled slots, per-step latency
   (wall clock of a run of back-to-back steps, dispatched from Python as generate() does) and tokens/s.
 
-With ``--trace-steps N``, N more decode steps per batch run under the JAX profiler (CUPTI) and a per-step
-breakdown is printed and kept in the JSON row: the time some kernel ran, first start to last end (the rest is
+With ``--trace-steps N``, N more decode steps per batch run under the JAX profiler (CUPTI; XLA's command
+buffers kept on, as in the timed steps, unless ``--trace-op-by-op``) and a per-step breakdown of device 0 is
+printed and kept in the JSON row: the time some kernel ran, first start to last end (the rest is
 idle device time: launches, host dispatch), and per kernel family (``loop_add_fusion``, ``Fp8DecodeKernel``,
 ...) its kernels per step, their time and one kernel's median.
 
@@ -257,7 +258,8 @@ def bench_prefill(gen, cfg, t: int, reps: int):
 
 def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: int = 0):
     """(seconds per step, warm-up seconds, trace): ``trace`` is None, or with ``trace_steps`` the
-    :func:`_common.kernel_breakdown` of that many more steps run under the JAX profiler (per step)."""
+    :func:`_common.kernel_breakdown` of that many more steps run under the JAX profiler (per step, device 0),
+    or the error that tracing raised."""
     import jax
     import jax.numpy as jnp
 
@@ -290,7 +292,10 @@ def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: in
                 cache, state = gen.decode(cache, state, mode, key, sampling)
             return state.tokens
 
-        trace = C.kernel_breakdown(C.trace_kernels(run), trace_steps)
+        try:  # a failed trace keeps the timing
+            trace = C.kernel_breakdown(C.trace_kernels(run, device=0), trace_steps)
+        except Exception as exc:  # noqa: BLE001
+            trace = f"{type(exc).__name__}: {str(exc)[:200]}"
     del cache
     return dt, t_warm, trace
 
@@ -334,7 +339,10 @@ def run_variant(name, model, cfg, args, rows):
                             error=f"{type(exc).__name__}: {str(exc)[:200]}"), None
         rows.append(r)
         print(C.fmt_table([r], list(r)), flush=True)
-        if trace is not None:
+        if isinstance(trace, str):
+            print(f"  {name} decode batch {b}: trace failed: {trace}", flush=True)
+            r["trace"] = dict(error=trace)
+        elif trace is not None:
             print_breakdown(f"{name} decode batch {b}", s * 1e6, trace)
             kernels, busy, span = trace
             r["trace"] = dict(busy_us=round(busy, 1), span_us=round(span, 1),
@@ -421,6 +429,8 @@ def main(argv=None):
     p.add_argument("--trace-steps", type=int, default=0, metavar="N",
                    help="after timing, trace N more decode steps (JAX profiler) and print where a step's device "
                         "time goes, by kernel family")
+    p.add_argument("--trace-op-by-op", action="store_true",
+                   help="with --trace-steps: let XLA run its command buffers op by op while profiling (its default)")
     p.add_argument("--variants", nargs="*", default=["w4a8", "bf16_ragged_dot", "bf16_pallas"])
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
@@ -432,6 +442,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.report:
         return report([json.loads(pathlib.Path(f).read_text()) for f in args.report])
+    if args.trace_steps and not args.trace_op_by_op:
+        C.keep_command_buffers_while_profiling()  # before the backend starts
 
     import jax
     import jax.numpy as jnp

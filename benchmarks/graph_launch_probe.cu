@@ -5,12 +5,15 @@
 //
 // The kernel reads B bytes (grid-stride, 16-byte loads past L1, rotating over enough buffers that nothing comes
 // from L2) with G blocks of 128 threads, optionally in clusters; its blocks stamp %globaltimer at entry (before
-// griddepcontrol.wait) and at exit. Each case builds a graph of 40 such nodes in one chain and prints:
+// griddepcontrol.wait), after the wait, and at exit. Each case runs 40 such kernels in one chain (a graph, or
+// stream launches), queued behind a 2 ms spin kernel so that host submission is not timed, and prints:
 //   alone    one launch on a stream between events (median of 10, us);
-//   per node a 40-node graph's time / 40 (median of 10 launches, us);
-//   kernel   median of the 40 kernels' first-entry-to-last-exit spans in the last launch (us);
-//   gap      median of next first entry - this last exit (us; negative: the next kernel's blocks started first);
-//   overlap  how many of the 39 pairs overlapped that way.
+//   per node the chain's time / 40 (median of 10 runs, us);
+//   kernel   median of the 40 kernels' spans from the first block past the wait to the last exit (us);
+//   gap      median of the next kernel's first block past its wait - this kernel's last exit (us);
+//   early    of the 39 pairs, how many had the next kernel's first block enter before this one's last exit
+//            (PDL: it launched early, waiting in griddepcontrol.wait).
+// The first line also gives %globaltimer's resolution on this machine (the smallest step seen).
 // Shapes: "empty" (1 block, no bytes), kv_a (576 x 7168 e4m3 = 4.1 MB, 288 blocks in clusters of 8, as the
 // decode kernel's plan), o_proj (7168 x 16384 = 117 MB, 448 blocks). Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o graph_launch_probe benchmarks/graph_launch_probe.cu && ./graph_launch_probe
@@ -31,7 +34,7 @@
   } while (0)
 
 struct Stamp {
-  unsigned long long start, end;
+  unsigned long long entry, start, end;  // first entry, first block past the wait, last exit
 };
 
 __device__ __forceinline__ unsigned long long GlobalTimer() {
@@ -49,9 +52,10 @@ __device__ __forceinline__ uint4 Ld(const uint8_t* p) {
 }
 
 __global__ void Work(const uint8_t* data, int64_t bytes, Stamp* stamp, unsigned* sink) {
-  if (threadIdx.x == 0) atomicMin(&stamp->start, GlobalTimer());
+  if (threadIdx.x == 0) atomicMin(&stamp->entry, GlobalTimer());
   asm volatile("griddepcontrol.wait;" ::: "memory");              // at once unless launched as a dependent
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next node may launch now
+  if (threadIdx.x == 0) atomicMin(&stamp->start, GlobalTimer());
   unsigned acc = 0;
   const int64_t n = bytes / 16, stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
@@ -105,7 +109,25 @@ cudaError_t LaunchOne(const Shape& s, const Buffers& b, int i, bool pdl, cudaStr
 
 __global__ void ResetStamps(Stamp* s, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n) s[i] = Stamp{~0ull, 0ull};
+  if (i < n) s[i] = Stamp{~0ull, ~0ull, 0ull};
+}
+
+// Holds the stream for `ns` nanoseconds: the launches queued behind it are submitted before the timing starts.
+__global__ void Spin(unsigned long long ns) {
+  const unsigned long long t0 = GlobalTimer();
+  while (GlobalTimer() - t0 < ns) {
+  }
+}
+
+// The smallest nonzero step of %globaltimer seen in a tight loop (ns).
+__global__ void TimerStep(unsigned long long* out) {
+  unsigned long long best = ~0ull, prev = GlobalTimer();
+  for (int i = 0; i < 100000; ++i) {
+    const unsigned long long t = GlobalTimer();
+    if (t != prev) best = t - prev < best ? t - prev : best;
+    prev = t;
+  }
+  *out = best;
 }
 
 float Median(std::vector<float> v) {
@@ -175,6 +197,7 @@ bool Chain(const Shape& s, const Buffers& b, int kind, bool pdl, cudaStream_t st
   std::vector<float> times;
   for (int r = 0; r < kReps + 2; ++r) {
     ResetStamps<<<1, kNodes, 0, stream>>>(b.stamps, kNodes);
+    Spin<<<1, 1, 0, stream>>>(2000000ull);  // 2 ms: the launches below are queued before t0 runs
     CHECK(cudaEventRecord(t0, stream));
     if (exec != nullptr) {
       CHECK(cudaGraphLaunch(exec, stream));
@@ -190,18 +213,17 @@ bool Chain(const Shape& s, const Buffers& b, int kind, bool pdl, cudaStream_t st
   std::vector<Stamp> st(kNodes);
   CHECK(cudaMemcpy(st.data(), b.stamps, sizeof(Stamp) * kNodes, cudaMemcpyDeviceToHost));
   std::vector<float> spans, gaps;
-  int overlaps = 0;
+  int early = 0;
   for (int i = 0; i < kNodes; ++i) {
-    spans.push_back((st[i].end - st[i].start) * 1e-3f);
+    spans.push_back(static_cast<float>((static_cast<double>(st[i].end) - static_cast<double>(st[i].start)) * 1e-3));
     if (i + 1 < kNodes) {
-      const double gap = (static_cast<double>(st[i + 1].start) - static_cast<double>(st[i].end)) * 1e-3;
-      gaps.push_back(static_cast<float>(gap));
-      overlaps += gap < 0;
+      gaps.push_back(static_cast<float>((static_cast<double>(st[i + 1].start) - static_cast<double>(st[i].end)) * 1e-3));
+      early += st[i + 1].entry < st[i].end;
     }
   }
   static const char* kinds[] = {"kernel nodes", "child graphs", "stream launches"};
-  std::printf("  %-15s %-4s per node %7.2f | kernel %7.2f | gap %6.2f | overlap %2d/%d\n", kinds[kind],
-              pdl ? "PDL" : "", Median(times), Median(spans), Median(gaps), overlaps, kNodes - 1);
+  std::printf("  %-15s %-4s per node %7.2f | kernel %7.2f | gap %6.2f | early %2d/%d\n", kinds[kind],
+              pdl ? "PDL" : "", Median(times), Median(spans), Median(gaps), early, kNodes - 1);
   if (exec != nullptr) cudaGraphExecDestroy(exec);
   if (graph != nullptr) cudaGraphDestroy(graph);
   return true;
@@ -216,16 +238,23 @@ int main() {
   int driver = 0, runtime = 0;
   cudaDriverGetVersion(&driver);
   cudaRuntimeGetVersion(&runtime);
-  std::printf("%s, %d SMs, L2 %d MB, driver %d, runtime %d\n", prop.name, prop.multiProcessorCount,
-              prop.l2CacheSize >> 20, driver, runtime);
+  unsigned long long* step = nullptr;
+  unsigned long long step_ns = 0;
+  cudaMalloc(&step, sizeof(unsigned long long));
+  TimerStep<<<1, 1>>>(step);
+  cudaMemcpy(&step_ns, step, sizeof(step_ns), cudaMemcpyDeviceToHost);
+  cudaFree(step);
+  std::printf("%s, %d SMs, L2 %d MB, driver %d, runtime %d, globaltimer step %llu ns\n", prop.name,
+              prop.multiProcessorCount, prop.l2CacheSize >> 20, driver, runtime, step_ns);
   const Shape shapes[] = {{"empty", 0, 1, 1}, {"kv_a 4.1 MB, 288 blocks, clusters of 8", 576LL * 7168, 288, 8},
                           {"o_proj 117 MB, 448 blocks", 7168LL * 16384, 448, 1}};
   cudaStream_t stream;
   if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) return 1;
   for (const Shape& s : shapes) {
     Buffers b;
+    // Between two reads of a buffer at least 3x L2 of other buffers is read: nothing comes from L2.
     const int64_t per = std::max<int64_t>(s.bytes, 256);
-    const int count = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(kNodes, (2LL * prop.l2CacheSize) / per + 2)));
+    const int count = static_cast<int>(std::min<int64_t>(kNodes, (3LL * prop.l2CacheSize + per - 1) / per + 1));
     for (int i = 0; i < count; ++i) {
       uint8_t* p = nullptr;
       if (cudaMalloc(&p, per) != cudaSuccess) return 1;

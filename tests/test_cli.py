@@ -127,12 +127,13 @@ def test_text_stream_holds_back_partial_utf8():
     assert all("\ufffd" not in p for p in out.parts)
 
 
-def test_bench_generate_tiny_runs(tmp_path):
+def test_bench_generate_tiny_runs(tmp_path, monkeypatch):
     """benchmarks/bench_generate.py --tiny (the H200 benchmark's CPU smoke test): both CPU variants measured; the
     decode trace runs too (a CPU backend records no device kernels: an empty breakdown)."""
     import json
 
     bench = _load_bench_generate()
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --trace-steps adds a flag: undone after
     assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--trace-steps", "1",
                        "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "generate.json").read_text())
@@ -142,6 +143,7 @@ def test_bench_generate_tiny_runs(tmp_path):
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in got.values()), payload["rows"]
     assert payload["summary"] and "w4a8 / best bf16" in payload["summary"][0]
     assert got[("w4a8", "decode")]["trace"] == {"busy_us": 0.0, "span_us": 0.0, "kernels": []}
+    assert "--xla_enable_command_buffers_during_profiling=true" in os.environ["XLA_FLAGS"]
 
 
 def _load_bench_generate():

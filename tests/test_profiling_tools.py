@@ -201,6 +201,18 @@ def test_device_kernels_keeps_the_stream_threads_of_a_device_that_names_them():
     assert [k[1] for k in C.device_kernels(trace)] == ["k"]
 
 
+def test_device_kernels_takes_one_device_when_asked():
+    C = _common()
+    trace = _trace([(3, "k0", 0, 10)])
+    trace["traceEvents"] += [{"ph": "M", "pid": 8, "name": "process_name", "args": {"name": "/device:GPU:1"}},
+                             {"ph": "M", "pid": 9, "name": "process_name", "args": {"name": "/device:GPU:10"}},
+                             {"ph": "X", "pid": 8, "tid": 3, "ts": 0, "dur": 5, "name": "k1"},
+                             {"ph": "X", "pid": 9, "tid": 3, "ts": 0, "dur": 5, "name": "k10"}]
+    assert sorted(k[1] for k in C.device_kernels(trace)) == ["k0", "k1", "k10"]
+    assert [k[1] for k in C.device_kernels(trace, device=0)] == ["k0"]
+    assert [k[1] for k in C.device_kernels(trace, device=1)] == ["k1"]
+
+
 def test_trace_summary_times_each_kernel_and_the_gap_after_it():
     C = _common()
     # stream 3: a (10 us), gap 2, b (5), gap 4, a (12), gap 1, a (14); stream 4: b (6) alone; a host event.
