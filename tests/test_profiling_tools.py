@@ -280,3 +280,28 @@ def test_cuda_probes_build_with_their_documented_command(tmp_path, probe):
             assert "no CUDA device" in run.stdout
         else:  # a GPU: each of the three shapes timed alone, then its chains (or why a capture failed)
             assert run.stdout.count("alone") == 3, run.stdout
+
+
+def test_step_inventory_counts_custom_calls_of_both_texts():
+    sys.path.insert(0, BENCH)
+    try:
+        import step_inventory
+    finally:
+        sys.path.remove(BENCH)
+    hlo = ('%a = f32[2] custom-call(%x), custom_call_target="jax_w4a8_fp8_einsum"\n'
+           '%b = f32[2] custom-call(%x), custom_call_target="jax_w4a8_fp8_einsum", api_version=4\n'
+           '%c = f32[2] fusion(%a, %b), kind=kLoop, calls=%f\n'
+           '%d = (f32[2], s32[2]) custom-call(%c), custom_call_target="TopK"\n')
+    assert step_inventory.custom_calls(hlo) == {"jax_w4a8_fp8_einsum": 2, "TopK": 1}
+    assert step_inventory.fusions(hlo) == 1
+    mlir = '%0:2 = stablehlo.custom_call @jax_w4a8_quantize_fp8_groups(%arg0) {api_version = 4 : i32}'
+    assert step_inventory.custom_calls(mlir) == {"jax_w4a8_quantize_fp8_groups": 1}
+
+
+def test_step_inventory_lists_the_decode_steps_custom_calls():
+    r = _run([os.path.join(BENCH, "step_inventory.py"), "--layers", "1"])
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()[2:] if line.startswith("jax_w4a8_")}
+    assert {"jax_w4a8_fp8_einsum", "jax_w4a8_quantize_fp8_groups", "jax_w4a8_w4a8_grouped_gemm"} <= set(rows)
+    for target, (lowered, compiled, per_layer) in rows.items():
+        assert 0 < int(compiled) <= int(lowered), (target, lowered, compiled)  # CSE only merges

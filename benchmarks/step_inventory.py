@@ -1,0 +1,81 @@
+"""What one compiled decode step of the DeepSeek model is made of: this library's custom calls by target, per
+layer, before and after XLA's optimizations (CSE merges identical calls), and the compiled step's fusions.
+
+    python benchmarks/step_inventory.py                 # 2 layers, small widths (seconds, CPU or GPU)
+    python benchmarks/step_inventory.py --v3 --layers 1 # DeepSeek-V3 widths (weights made on the device)
+
+Every custom call is a node of XLA's command buffer of its own (a child graph: see benchmarks/RESULTS.md,
+thirty-sixth session), so their number per layer is what fusing ops (one einsum for q_a and kv_a, one for a
+shared expert's gate and up, quantizing the MoE input once) would reduce. The small widths keep every
+contracted size a multiple of 128, so the step runs the same ops as at DeepSeek-V3's widths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import importlib
+import pathlib
+import re
+import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+TARGET = re.compile(r'custom_call_target\s*=\s*"([^"]+)"|stablehlo\.custom_call @(\w+)')
+
+
+def custom_calls(hlo_text: str) -> collections.Counter:
+    """Custom-call targets in HLO or StableHLO text, counted."""
+    return collections.Counter(a or b for a, b in TARGET.findall(hlo_text))
+
+
+def fusions(hlo_text: str) -> int:
+    """Fusion instructions in compiled HLO text (kernels XLA generates; a CPU compile fuses differently)."""
+    return len(re.findall(r"=\s*\S+\s+fusion\(", hlo_text))
+
+
+def decode_step_texts(layers: int, v3: bool, batch: int = 1, cache_len: int = 64):
+    """(lowered StableHLO, compiled HLO) of one decode step of a W4A8 model with random weights."""
+    import jax
+    import jax.numpy as jnp
+
+    import bench_generate as B
+    from jax_w4a8.models.deepseek import QuantConfig
+    from jax_w4a8.models.deepseek.generate import DecodeState, Generator, MLACache
+
+    gen_mod = importlib.import_module("jax_w4a8.models.deepseek.generate")
+    cfg = B.v3_config(layers, 0, tiny=not v3)
+    gen = Generator(B.random_model(cfg, QuantConfig.w4a8(), jnp.bfloat16))
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    cache = MLACache(tuple(jnp.zeros((batch, cache_len, width), gen.cache_dtype) for _ in range(layers)),
+                     jnp.zeros((batch,), jnp.int32), jnp.asarray(cache_len // 2, jnp.int32))
+    state = DecodeState(jnp.ones((batch,), jnp.int32), jnp.ones((batch,), bool), jnp.zeros((batch,), bool),
+                        jnp.full((batch,), -1, jnp.int32), jnp.asarray(0, jnp.int32))
+    lowered = gen_mod._decode.lower(gen.structure, gen.mode(), gen.leaves, gen.absorbed, cache, state,
+                                    jax.random.key(0), gen.sampling())
+    return lowered.as_text(), lowered.compile().as_text()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers, all MoE (default 2)")
+    ap.add_argument("--v3", action="store_true", help="DeepSeek-V3 widths (default: small widths)")
+    ap.add_argument("--batch", type=int, default=1)
+    args = ap.parse_args(argv)
+    import jax
+
+    lowered, compiled = decode_step_texts(args.layers, args.v3, args.batch)
+    before, after = custom_calls(lowered), custom_calls(compiled)
+    print(f"{jax.devices()[0].device_kind}: one decode step, {args.layers} layers, batch {args.batch}, "
+          f"{'V3' if args.v3 else 'small'} widths")
+    print(f"{'custom call':40s} {'lowered':>8s} {'compiled':>9s} {'per layer':>10s}")
+    for target in sorted(set(before) | set(after)):
+        print(f"{target:40s} {before[target]:8d} {after[target]:9d} {after[target] / args.layers:10.1f}")
+    ours = sum(n for t, n in after.items() if t.startswith("jax_w4a8_"))
+    print(f"{'this library, compiled':40s} {'':8s} {ours:9d} {ours / args.layers:10.1f}")
+    print(f"fusions in the compiled step: {fusions(compiled)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
