@@ -4,6 +4,7 @@
     python benchmarks/bench_generate.py --tiny                                     # CPU smoke test
     python benchmarks/bench_generate.py --layers 2 --variants w4a8 --prefill --trace-steps 4
                                                          # + where a decode step's device time goes
+    python benchmarks/bench_generate.py --layers 2 --variants w4a8 --prefill 4096 --batches --trace-prefill
     python benchmarks/bench_generate.py --layers 61 --variants w4a8 --expert-parallel 8 --batches 1 16 64 256
                                                          # R1-sized W4A8 model over 8 GPUs (issue #8)
 
@@ -30,7 +31,8 @@ With ``--trace-steps N``, N more decode steps per batch run under the JAX profil
 buffers kept on, as in the timed steps, unless ``--trace-op-by-op``) and a per-step breakdown of device 0 is
 printed and kept in the JSON row: the time some kernel ran, first start to last end (the rest is
 idle device time: launches, host dispatch), and per kernel family (``loop_add_fusion``, ``Fp8DecodeKernel``,
-...) its kernels per step, their time and one kernel's median.
+...) its kernels per step, their time and one kernel's median. ``--trace-prefill`` does the same for one
+more prefill call per prompt length.
 
 Prints a table; writes ``generate.json`` to ``--out`` (default ``$OUT``, else ``benchmarks/out``) after
 every variant; ``--results`` also rewrites the ``generate`` section of benchmarks/RESULTS.md, and
@@ -237,7 +239,9 @@ def to_pallas_experts(model):
 # ----------------------------------------------------------------------------------------------
 # measurements
 # ----------------------------------------------------------------------------------------------
-def bench_prefill(gen, cfg, t: int, reps: int):
+def bench_prefill(gen, cfg, t: int, reps: int, trace: bool = False):
+    """(median seconds, first call's seconds, trace): ``trace`` is None, or the :func:`_common.kernel_breakdown`
+    of one more prefill run under the JAX profiler (device 0), or the error that tracing raised."""
     import jax
     import jax.numpy as jnp
 
@@ -253,7 +257,15 @@ def bench_prefill(gen, cfg, t: int, reps: int):
 
     t_first = once()                                     # compile
     times = [once() for _ in range(reps)]
-    return statistics.median(times), t_first
+    breakdown = None
+    if trace:
+        cache = gen.init_cache(1, t)
+        try:
+            breakdown = C.kernel_breakdown(C.trace_kernels(
+                lambda: gen.prefill(ids, cache, mode, key, sampling)[1].tokens, device=0))
+        except Exception as exc:  # noqa: BLE001 - a failed trace keeps the timing
+            breakdown = f"{type(exc).__name__}: {str(exc)[:200]}"
+    return statistics.median(times), t_first, breakdown
 
 
 def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: int = 0):
@@ -300,14 +312,27 @@ def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: in
     return dt, t_warm, trace
 
 
+def _report_trace(row, label, step_us, trace):
+    """Prints a phase's trace (or why it failed) and keeps its top 20 kernel families in the JSON row."""
+    if isinstance(trace, str):
+        print(f"  {label}: trace failed: {trace}", flush=True)
+        row["trace"] = dict(error=trace)
+    elif trace is not None:
+        print_breakdown(label, step_us, trace)
+        kernels, busy, span = trace
+        row["trace"] = dict(busy_us=round(busy, 1), span_us=round(span, 1),
+                            kernels=[{k: round(v, 2) if isinstance(v, float) else v for k, v in t.items()}
+                                     for t in kernels[:20]])
+
+
 def print_breakdown(label, step_us, trace, top=14):
     """The per-step kernel breakdown of :func:`bench_decode`'s trace, as a few lines."""
     rows, busy, span = trace
     if not rows:
         print(f"  {label}: no device kernel events in the trace (a CPU run, or a profiler without CUPTI)", flush=True)
         return
-    print(f"  {label}: step {step_us:.1f} us (timed run); traced steps: kernels busy {busy:.1f} us per step, "
-          f"first start to last end {span:.1f} us, {sum(r['count'] for r in rows):.0f} kernels per step", flush=True)
+    print(f"  {label}: {step_us:.1f} us per call (timed run); traced: kernels busy {busy:.1f} us per call, "
+          f"first start to last end {span:.1f} us, {sum(r['count'] for r in rows):.0f} kernels per call", flush=True)
     for r in rows[:top]:
         print(f"    {r['us']:8.1f} us {100 * r['us'] / busy:5.1f}%  {r['count']:6.1f} x {r['median_us']:7.2f} us  "
               f"{r['family'][:70]}", flush=True)
@@ -321,13 +346,15 @@ def run_variant(name, model, cfg, args, rows):
     gen = Generator(model)
     for t in args.prefill:
         try:
-            s, first = bench_prefill(gen, cfg, t, args.prefill_reps)
+            s, first, trace = bench_prefill(gen, cfg, t, args.prefill_reps, args.trace_prefill)
             r = dict(model=name, phase="prefill", batch=1, tokens=t, ms=round(s * 1e3, 2),
                      tokens_per_s=round(t / s, 1), compile_s=round(first - s, 1))
         except Exception as exc:  # noqa: BLE001 - report and go on (e.g. out of memory)
-            r = dict(model=name, phase="prefill", batch=1, tokens=t, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+            r, trace = dict(model=name, phase="prefill", batch=1, tokens=t,
+                            error=f"{type(exc).__name__}: {str(exc)[:200]}"), None
         rows.append(r)
         print(C.fmt_table([r], list(r)), flush=True)
+        _report_trace(r, f"{name} prefill {t}", s * 1e6 if "ms" in r else 0.0, trace)
         gc.collect()
     for b in args.batches:
         try:
@@ -339,15 +366,7 @@ def run_variant(name, model, cfg, args, rows):
                             error=f"{type(exc).__name__}: {str(exc)[:200]}"), None
         rows.append(r)
         print(C.fmt_table([r], list(r)), flush=True)
-        if isinstance(trace, str):
-            print(f"  {name} decode batch {b}: trace failed: {trace}", flush=True)
-            r["trace"] = dict(error=trace)
-        elif trace is not None:
-            print_breakdown(f"{name} decode batch {b}", s * 1e6, trace)
-            kernels, busy, span = trace
-            r["trace"] = dict(busy_us=round(busy, 1), span_us=round(span, 1),
-                              kernels=[{k: round(v, 2) if isinstance(v, float) else v for k, v in t.items()}
-                                       for t in kernels[:20]])
+        _report_trace(r, f"{name} decode batch {b}", s * 1e6 if "ms" in r else 0.0, trace)
         gc.collect()
     del gen
 
@@ -429,8 +448,11 @@ def main(argv=None):
     p.add_argument("--trace-steps", type=int, default=0, metavar="N",
                    help="after timing, trace N more decode steps (JAX profiler) and print where a step's device "
                         "time goes, by kernel family")
+    p.add_argument("--trace-prefill", action="store_true",
+                   help="after timing each prefill, trace one more and print where its device time goes")
     p.add_argument("--trace-op-by-op", action="store_true",
-                   help="with --trace-steps: let XLA run its command buffers op by op while profiling (its default)")
+                   help="with --trace-steps / --trace-prefill: let XLA run its command buffers op by op while "
+                        "profiling (its default)")
     p.add_argument("--variants", nargs="*", default=["w4a8", "bf16_ragged_dot", "bf16_pallas"])
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
@@ -442,7 +464,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.report:
         return report([json.loads(pathlib.Path(f).read_text()) for f in args.report])
-    if args.trace_steps and not args.trace_op_by_op:
+    if (args.trace_steps or args.trace_prefill) and not args.trace_op_by_op:
         C.keep_command_buffers_while_profiling()  # before the backend starts
 
     import jax

@@ -134,7 +134,7 @@ def test_bench_generate_tiny_runs(tmp_path, monkeypatch):
 
     bench = _load_bench_generate()
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --trace-steps adds a flag: undone after
-    assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--trace-steps", "1",
+    assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--trace-steps", "1", "--trace-prefill",
                        "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "generate.json").read_text())
     got = {(r["model"], r["phase"]): r for r in payload["rows"]}
@@ -143,6 +143,7 @@ def test_bench_generate_tiny_runs(tmp_path, monkeypatch):
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in got.values()), payload["rows"]
     assert payload["summary"] and "w4a8 / best bf16" in payload["summary"][0]
     assert got[("w4a8", "decode")]["trace"] == {"busy_us": 0.0, "span_us": 0.0, "kernels": []}
+    assert got[("w4a8", "prefill")]["trace"] == {"busy_us": 0.0, "span_us": 0.0, "kernels": []}
     assert "--xla_enable_command_buffers_during_profiling=true" in os.environ["XLA_FLAGS"]
 
 
