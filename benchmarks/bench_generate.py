@@ -260,25 +260,18 @@ def bench_prefill(gen, cfg, t: int, reps: int, trace: bool = False):
     breakdown = None
     if trace:
         cache = gen.init_cache(1, t)
-        try:
-            breakdown = C.kernel_breakdown(C.trace_kernels(
-                lambda: gen.prefill(ids, cache, mode, key, sampling)[1].tokens, device=0))
-        except Exception as exc:  # noqa: BLE001 - a failed trace keeps the timing
-            breakdown = f"{type(exc).__name__}: {str(exc)[:200]}"
+        breakdown = _trace_breakdown(lambda: gen.prefill(ids, cache, mode, key, sampling)[1].tokens)
     return statistics.median(times), t_first, breakdown
 
 
-def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: int = 0):
-    """(seconds per step, warm-up seconds, trace): ``trace`` is None, or with ``trace_steps`` the
-    :func:`_common.kernel_breakdown` of that many more steps run under the JAX profiler (per step, device 0),
-    or the error that tracing raised."""
+def decode_inputs(gen, cfg, batch: int, context: int, cache_len: int):
+    """(MLACache, DecodeState) for decode steps: per layer a random latent cache [batch, cache_len, kv_lora_rank +
+    qk_rope_head_dim] in ``gen.cache_dtype`` with ``context`` slots filled, and random next tokens."""
     import jax
     import jax.numpy as jnp
 
     from jax_w4a8.models.deepseek.generate import DecodeState, MLACache
 
-    mode, sampling, key = gen.mode(), gen.sampling(), jax.random.key(0)
-    cache_len = context + steps + 8
     width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
     mk = jax.jit(lambda k: jax.random.normal(k, (batch, cache_len, width), jnp.float32).astype(gen.cache_dtype))
     kv = tuple(mk(jax.random.key(100 + i)) for i in range(cfg.num_hidden_layers))
@@ -286,6 +279,27 @@ def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: in
     state = DecodeState(jax.random.randint(jax.random.key(batch), (batch,), 2, cfg.vocab_size, jnp.int32),
                         jnp.ones((batch,), bool), jnp.zeros((batch,), bool), jnp.full((batch,), -1, jnp.int32),
                         jnp.asarray(0, jnp.int32))
+    return cache, state
+
+
+def _trace_breakdown(thunk, repeats=1):
+    """:func:`_common.kernel_breakdown` of ``thunk()`` traced on device 0, per repeat, or the error tracing raised
+    (a failed trace keeps the timing)."""
+    try:
+        return C.kernel_breakdown(C.trace_kernels(thunk, device=0), repeats)
+    except Exception as exc:  # noqa: BLE001
+        return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: int = 0):
+    """(seconds per step, warm-up seconds, trace): ``trace`` is None, or with ``trace_steps`` the
+    :func:`_common.kernel_breakdown` of that many more steps run under the JAX profiler (per step, device 0),
+    or the error that tracing raised."""
+    import jax
+
+    mode, sampling, key = gen.mode(), gen.sampling(), jax.random.key(0)
+    # room for the warm-up, timed and traced steps after the context
+    cache, state = decode_inputs(gen, cfg, batch, context, context + steps + 8 + trace_steps)
     t0 = time.perf_counter()
     for _ in range(3):                                   # compile + warm up
         cache, state = gen.decode(cache, state, mode, key, sampling)
@@ -304,10 +318,7 @@ def bench_decode(gen, cfg, batch: int, context: int, steps: int, trace_steps: in
                 cache, state = gen.decode(cache, state, mode, key, sampling)
             return state.tokens
 
-        try:  # a failed trace keeps the timing
-            trace = C.kernel_breakdown(C.trace_kernels(run, device=0), trace_steps)
-        except Exception as exc:  # noqa: BLE001
-            trace = f"{type(exc).__name__}: {str(exc)[:200]}"
+        trace = _trace_breakdown(run, trace_steps)
     del cache
     return dt, t_warm, trace
 
@@ -326,7 +337,7 @@ def _report_trace(row, label, step_us, trace):
 
 
 def print_breakdown(label, step_us, trace, top=14):
-    """The per-step kernel breakdown of :func:`bench_decode`'s trace, as a few lines."""
+    """A traced prefill call's or decode step's kernel breakdown (:func:`_trace_breakdown`), as a few lines."""
     rows, busy, span = trace
     if not rows:
         print(f"  {label}: no device kernel events in the trace (a CPU run, or a profiler without CUPTI)", flush=True)

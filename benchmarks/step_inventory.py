@@ -41,16 +41,13 @@ def decode_step_texts(layers: int, v3: bool, batch: int = 1, cache_len: int = 64
 
     import bench_generate as B
     from jax_w4a8.models.deepseek import QuantConfig
-    from jax_w4a8.models.deepseek.generate import DecodeState, Generator, MLACache
+    from jax_w4a8.models.deepseek.generate import Generator
 
+    # the module: the package exports a function of the same name
     gen_mod = importlib.import_module("jax_w4a8.models.deepseek.generate")
     cfg = B.v3_config(layers, 0, tiny=not v3)
     gen = Generator(B.random_model(cfg, QuantConfig.w4a8(), jnp.bfloat16))
-    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
-    cache = MLACache(tuple(jnp.zeros((batch, cache_len, width), gen.cache_dtype) for _ in range(layers)),
-                     jnp.zeros((batch,), jnp.int32), jnp.asarray(cache_len // 2, jnp.int32))
-    state = DecodeState(jnp.ones((batch,), jnp.int32), jnp.ones((batch,), bool), jnp.zeros((batch,), bool),
-                        jnp.full((batch,), -1, jnp.int32), jnp.asarray(0, jnp.int32))
+    cache, state = B.decode_inputs(gen, cfg, batch, cache_len // 2, cache_len)
     lowered = gen_mod._decode.lower(gen.structure, gen.mode(), gen.leaves, gen.absorbed, cache, state,
                                     jax.random.key(0), gen.sampling())
     return lowered.as_text(), lowered.compile().as_text()
