@@ -59,7 +59,10 @@ def sort_by_expert(topk_ids, num_experts: int) -> Routing:
 
 
 def permute(x, routing: Routing):
-    """Rows of ``x`` [N, D] in sorted-slot order: [N*K, D] (same dtype)."""
+    """Rows of ``x`` [N, D] in sorted-slot order: [N*K, D] (same dtype). ``x`` may be a tuple of arrays of N
+    rows each (fp8 codes [N, D] and their scales [N, D/128]): each is permuted the same way."""
+    if isinstance(x, tuple):
+        return tuple(jnp.take(a, routing.token_of_row, axis=0) for a in x)
     return jnp.take(x, routing.token_of_row, axis=0)
 
 
@@ -86,9 +89,10 @@ def moe_apply(x, topk_ids, topk_weights, experts_fn: Callable, num_experts: int,
     """Routed-expert output of every token (no dropping).
 
     Args:
-      x: [N, D] expert inputs (bf16, or fp32 in fp32 mode).
+      x: [N, D] expert inputs (bf16, or fp32 in fp32 mode), or a tuple of arrays of N rows (tokens already
+        quantized: fp8 codes and scales), each gathered into sorted-slot order for ``experts_fn``.
       topk_ids: int [N, K]; topk_weights: float32 [N, K].
-      experts_fn: ``(x_sorted [N*K, D], group_sizes int32 [E]) -> [N*K, D]``.
+      experts_fn: ``(x_sorted [N*K, D] (or the tuple, sorted), group_sizes int32 [E]) -> [N*K, D]``.
       num_experts: E (the length of ``group_sizes``).
       out_dtype: dtype of the combined result (float32 by default, so callers can add more in fp32).
     Returns:

@@ -84,10 +84,14 @@ def test_fp32_checkpoint_in_bf16_and_fp32(fp32_ckpt):
     path, cfg, w = fp32_ckpt
     m16 = load_checkpoint(path, progress=False)
     assert m16.quant == QuantConfig() and m16.dtype == jnp.bfloat16
-    q = m16.model.layers[1].self_attn.q_a_proj.weight[...]
-    assert q.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(q),
-                                  w["model.layers.1.self_attn.q_a_proj.weight"].astype(ml_dtypes.bfloat16))
+    qkv = m16.model.layers[1].self_attn.qkv_a_proj.weight[...]      # q_a_proj rows, then kv_a_proj_with_mqa
+    assert qkv.dtype == jnp.bfloat16
+    a = "model.layers.1.self_attn."
+    np.testing.assert_array_equal(np.asarray(qkv), np.concatenate(
+        [w[a + "q_a_proj.weight"], w[a + "kv_a_proj_with_mqa.weight"]]).astype(ml_dtypes.bfloat16))
+    gu = m16.model.layers[0].mlp.gate_up_proj.weight[...]             # gate_proj rows, then up_proj
+    np.testing.assert_array_equal(np.asarray(gu), np.concatenate(
+        [w["model.layers.0.mlp.gate_proj.weight"], w["model.layers.0.mlp.up_proj.weight"]]).astype(ml_dtypes.bfloat16))
     bias = m16.model.layers[1].mlp.gate.e_score_correction_bias[...]
     assert bias.dtype == jnp.float32                                   # the router bias stays fp32
     np.testing.assert_array_equal(np.asarray(bias), w["model.layers.1.mlp.gate.e_score_correction_bias"])
@@ -107,11 +111,14 @@ def test_fp8_checkpoint(tmp_path, fp32_ckpt):
                                           "weight_block_size": [128, 128]})
     model = load_checkpoint(fp8, progress=False)
     assert model.quant == QuantConfig.fp8()
-    lin = model.model.layers[0].self_attn.kv_a_proj_with_mqa             # N = 192: an edge block row
-    np.testing.assert_array_equal(np.asarray(lin.weight[...]).view(np.uint8),
-                                  ckpt["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"].view(np.uint8))
-    np.testing.assert_array_equal(np.asarray(lin.weight_scale_inv[...]),
-                                  ckpt["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"])
+    lin = model.model.layers[0].self_attn.qkv_a_proj    # q_a (128 rows), then kv_a (N = 192: an edge block row)
+    a = "model.layers.0.self_attn."
+    for part in ("q_a_proj", "kv_a_proj_with_mqa"):     # each part bit-exact, weights and scales, in row order
+        assert ckpt[a + part + ".weight"].shape[0] == dict(lin.parts)[part]
+    np.testing.assert_array_equal(np.asarray(lin.weight[...]).view(np.uint8), np.concatenate(
+        [ckpt[a + "q_a_proj.weight"], ckpt[a + "kv_a_proj_with_mqa.weight"]]).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(lin.weight_scale_inv[...]), np.concatenate(
+        [ckpt[a + "q_a_proj.weight_scale_inv"], ckpt[a + "kv_a_proj_with_mqa.weight_scale_inv"]]))
     ex = model.model.layers[1].mlp.experts
     i = cfg.moe_intermediate_size
     np.testing.assert_array_equal(

@@ -336,6 +336,90 @@ def test_linear_dense_and_bias(rng):
     np.testing.assert_allclose(np.asarray(lin(jnp.asarray(x))), ref, rtol=1e-5, atol=1e-5)
 
 
+def _calls(fn, *args):
+    """Custom-call targets of ``fn``'s lowered program, counted (``jax_w4a8_`` prefix dropped)."""
+    import collections
+    import re
+    text = jax.jit(fn).lower(*args).as_text()
+    return collections.Counter(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text))
+
+
+@pytest.mark.parametrize("rows,quant,ue8m0", [((128, 72), "fp8", False), ((256, 130), "fp8", True),
+                                              ((40, 90), "fp8", False), ((40, 90), "none", False)])
+def test_linear_parts_are_their_checkpoint_tensors_side_by_side(rng, rows, quant, ue8m0):
+    """A fused Linear (``parts``) computes each part as that part's own Linear would: FP8 block rows per part
+    (one product when the parts sit on the 128-row grid, one per part otherwise), against float64 numpy."""
+    k, n = 256, sum(rows)
+    seed = int(rng.integers(1 << 30))
+    lin = layers.Linear(k, n, quant=quant, dtype=jnp.float32, ue8m0=ue8m0, use_bias=True,
+                        parts=(("a_proj", rows[0]), ("b_proj", rows[1])), rngs=nnx.Rngs(seed))
+    lin.bias[...] = jnp.asarray(rng.standard_normal(n), jnp.float32)
+    x = (rng.standard_normal((5, k)) * rng.uniform(0.1, 10, (5, 1))).astype(np.float32)
+    got = np.asarray(lin(jnp.asarray(x)))
+    w = f64(lin.weight[...])
+    if quant == "fp8":
+        nb = [-(-r // 128) for r in rows]
+        assert lin.weight_scale_inv.shape == (sum(nb), k // 128)
+        s = np.asarray(lin.weight_scale_inv[...])
+        q = lin.weight[...]
+        w = np.concatenate([np_dequant_blocks(q[:rows[0]], s[:nb[0]]), np_dequant_blocks(q[rows[0]:], s[nb[0]:])])
+        x = np_fake_quant_fp8(x, ue8m0)
+        aligned = rows[0] % 128 == 0
+        assert lin.block_aligned == aligned
+        assert _calls(lin, jnp.asarray(x, jnp.float32))["fp8_einsum"] == (1 if aligned else 2)
+    ref = x.astype(np.float64) @ w.T + f64(lin.bias[...])
+    row_rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert got.shape == (5, n) and row_rel.max() < 1e-5, row_rel
+    with pytest.raises(ValueError, match="parts"):
+        layers.Linear(k, n + 1, parts=(("a_proj", rows[0]), ("b_proj", rows[1])), rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("inter,ue8m0", [(256, False), (128, True), (96, False)])
+def test_mlp_fp8_matches_float64_and_fuses_the_activation(rng, inter, ue8m0):
+    """SwiGLU with FP8 linears: gate and up in one product, silu(gate) * up quantized for down by one kernel
+    (I a multiple of 128), against float64 numpy over the stored weights."""
+    d = 256
+    m = layers.MLP(d, inter, quant="fp8", dtype=jnp.float32, ue8m0=ue8m0, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    x = (rng.standard_normal((7, d)) * rng.uniform(0.1, 10, (7, 1))).astype(np.float32)
+    got = np.asarray(m(jnp.asarray(x)))
+    nb = -(-inter // 128)
+    s, q = np.asarray(m.gate_up_proj.weight_scale_inv[...]), m.gate_up_proj.weight[...]
+    gate = np_dequant_blocks(q[:inter], s[:nb])
+    up = np_dequant_blocks(q[inter:], s[nb:])
+    down = np_dequant_blocks(m.down_proj.weight[...], m.down_proj.weight_scale_inv[...])
+    xq = np_fake_quant_fp8(x, ue8m0).astype(np.float64)
+    h = np_silu(xq @ gate.T) * (xq @ up.T)
+    ref = np_fake_quant_fp8(h, ue8m0) @ down.T
+    # float32 vs float64 h can round to a neighbouring e4m3 code (see test_experts_match_row_loop)
+    row_rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
+    assert rel(got, ref) < 2e-2 and np.mean(row_rel < 1e-4) > 0.5, row_rel
+    calls = _calls(m, jnp.asarray(x))
+    if inter % 128 == 0:
+        assert calls["fp8_einsum"] == 2 and calls["quantize_fp8_groups"] == 2, calls
+    else:  # gate and up off the 128-row grid: a product each; then silu_mul, a quantizer and down
+        assert calls["fp8_einsum"] == 3 and calls["quantize_fp8_groups"] == 2, calls
+
+
+def test_mla_project_is_queries_and_latents_from_one_product(rng):
+    from jax_w4a8.models.deepseek import DeepseekConfig, QuantConfig
+    cfg = DeepseekConfig.from_dict(dict(vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                                        kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128,
+                                        qk_nope_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                                        topk_group=1, first_k_dense_replace=1))
+    mla = layers.MLA(cfg, quant=QuantConfig(linear="fp8"), dtype=jnp.float32, rngs=nnx.Rngs(1))
+    assert mla.qkv_a_proj.parts == (("q_a_proj", 128), ("kv_a_proj_with_mqa", 192))
+    x = jnp.asarray(rng.standard_normal((1, 3, 256)), jnp.float32)
+    cos, sin = layers.rope_cos_sin(jnp.arange(3)[None], cfg, jnp.float32)
+    got = mla.project(x, cos, sin)
+    want = (*mla.queries(x, cos, sin), *mla.latents(x, cos, sin))
+    for g, w_ in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
+    # q_a and kv_a are one einsum (then q_b), from one quantization of x
+    calls = _calls(lambda v: mla.project(v, cos, sin), x)
+    assert calls["fp8_einsum"] == 2 and calls["quantize_fp8_groups"] == 2, calls
+
+
 # ----------------------------------------------------------------------------------------------
 # experts
 # ----------------------------------------------------------------------------------------------
@@ -403,6 +487,46 @@ def test_experts_match_row_loop(rng, kind, act):
         # 1600-seed scan; worst 6.1e-3). Most rows are exact to fp32 accuracy (worst scan 94%): the real check.
         row_rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
         assert rel(got, ref) < 2e-2 and np.mean(row_rel < 1e-5) > 0.75, (rel(got, ref), row_rel)
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_w4a8_experts_take_rows_quantized_before_the_gather(rng, ue8m0):
+    """Quantizing per row commutes with sorting rows by expert: MoE quantizes its tokens once (the shared
+    expert's quantizer call too) and gathers codes and scales; the result is bit for bit the gathered-bf16 one."""
+    from jax_w4a8 import moe
+    m = layers.Experts(8, 256, 128, quant="w4a8", dtype=jnp.bfloat16, ue8m0=ue8m0, rngs=nnx.Rngs(2))
+    assert m.quantizes_input
+    x = jnp.asarray(rng.standard_normal((9, 256)) * 3, jnp.bfloat16)
+    ids = jnp.asarray(rng.integers(0, 8, (9, 2)), jnp.int32)
+    weights = jnp.asarray(rng.uniform(0.1, 1, (9, 2)), jnp.float32)
+    after = jax.jit(lambda v: moe.moe_apply(v, ids, weights, m, 8))(x)
+    before = jax.jit(lambda v: moe.moe_apply(m.quantize_input(v), ids, weights, m, 8))(x)
+    np.testing.assert_array_equal(np.asarray(before), np.asarray(after))
+    assert np.isfinite(np.asarray(after)).all() and np.abs(np.asarray(after)).max() > 0
+    with pytest.raises(TypeError, match="quantized"):
+        layers.Experts(8, 256, 128, quant="none", rngs=nnx.Rngs(0))(m.quantize_input(x), jnp.zeros(8, jnp.int32))
+
+
+def test_moe_quantizes_its_tokens_once(rng):
+    """A W4A8 MoE layer with an FP8 shared expert: one quantizer call for the tokens (routed and shared),
+    one fused silu-mul quantizer each for the routed and the shared down projection; no bf16 SiLU product."""
+    from jax_w4a8.models.deepseek import DeepseekConfig, QuantConfig
+    cfg = DeepseekConfig.from_dict(dict(vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                        kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128,
+                                        qk_nope_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                                        topk_group=1, first_k_dense_replace=1))
+    moe_layer = layers.MoE(cfg, quant=QuantConfig.w4a8(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(moe_layer)
+    x = jnp.asarray(rng.standard_normal((1, 5, 256)), jnp.bfloat16)
+    fn = lambda st, v: nnx.merge(graphdef, st)(v)  # noqa: E731
+    text = jax.jit(fn).lower(state, x).compile().as_text()
+    import re
+    quantizers = re.findall(r'custom_call_target="jax_w4a8_quantize_fp8_groups"[^\n]*', text)
+    assert len(quantizers) == 3, quantizers          # the tokens once; silu-mul for routed and shared down
+    assert sum("silu_mul=true" in q.replace(" ", "") for q in quantizers) == 2, quantizers
+    y = np.asarray(jax.jit(fn)(state, x), np.float32)
+    assert y.shape == (1, 5, 256) and np.isfinite(y).all() and np.abs(y).max() > 0
 
 
 def test_experts_bf16_output_and_w4_dims():

@@ -52,7 +52,7 @@ def _check_sharded(path, n, dispatch, devices, dtype=jnp.float32, ids=IDS, tol=2
     w = model.model.layers[1].mlp.experts.gate_up_proj[...]
     assert w.sharding.spec == P(sharding.EXPERT_AXIS, None, None)
     assert {s.data.shape[0] for s in w.addressable_shards} == {CFG["n_routed_experts"] // n}
-    attn = model.model.layers[1].self_attn.kv_a_proj_with_mqa.weight[...]
+    attn = model.model.layers[1].self_attn.qkv_a_proj.weight[...]
     assert attn.sharding.is_fully_replicated
     hlo = jax.jit(lambda t: model(t)).lower(jnp.asarray(ids)).as_text()
     if n > 1:  # the experts really run in a shard_map with this dispatch's collectives

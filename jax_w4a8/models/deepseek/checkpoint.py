@@ -227,32 +227,51 @@ class _Simple(_Target):
         return {self.var_path: array.astype(self.dtype)}
 
 
+def _linear_sources(prefix: str, module: layers.Linear) -> list[tuple[str, int]]:
+    """(checkpoint prefix, rows) of each tensor a Linear holds: its own, or its ``parts`` (HF modules beside
+    it: ``...self_attn.qkv_a_proj`` holds ``...self_attn.q_a_proj`` and ``...self_attn.kv_a_proj_with_mqa``)."""
+    if module.parts is None:
+        return [(prefix, module.out_features)]
+    parent = prefix.rsplit(".", 1)[0]
+    return [(f"{parent}.{name}", rows) for name, rows in module.parts]
+
+
 class _LinearTarget(_Target):
+    """One Linear: its checkpoint tensor, or each of its ``parts`` converted on its own (so FP8 blocks stay
+    the part's) and stacked along N."""
+
     def __init__(self, prefix, path, module: layers.Linear, infos: dict[str, TensorInfo]):
         super().__init__()
-        self.prefix, self.path, self.m = prefix, path, module
-        n, k = module.out_features, module.in_features
-        w = infos.get(prefix + ".weight")
-        self.src = "fp8" if (w is not None and w.dtype == "F8_E4M3") else "float"
-        self.expect(prefix + ".weight", (n, k), ("F8_E4M3",) if self.src == "fp8" else _FLOAT)
-        if self.src == "fp8":
-            self.expect(prefix + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)), _FLOAT)
-        if module.bias is not None:
-            self.expect(prefix + ".bias", (n,), _FLOAT)
+        self.path, self.m = path, module
+        self.sources = _linear_sources(prefix, module)
+        self.kinds = {}
+        k = module.in_features
+        for src, n in self.sources:
+            w = infos.get(src + ".weight")
+            self.kinds[src] = "fp8" if (w is not None and w.dtype == "F8_E4M3") else "float"
+            self.expect(src + ".weight", (n, k), ("F8_E4M3",) if self.kinds[src] == "fp8" else _FLOAT)
+            if self.kinds[src] == "fp8":
+                self.expect(src + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)), _FLOAT)
+            if module.bias is not None:
+                self.expect(src + ".bias", (n,), _FLOAT)
         self.pieces: dict[str, np.ndarray] = {}
 
     def feed(self, name, array):
         self.pieces[name] = array
         if len(self.pieces) < len(self.expected):
             return None
-        p, m = self.prefix, self.m
-        src = _Src(self.src, self.pieces[p + ".weight"], self.pieces.get(p + ".weight_scale_inv"))
-        w, s = _convert(src, m.quant, m.dtype, m.ue8m0, f"tensor '{p}.weight'")
-        out = {self.path + ("weight",): w}
-        if s is not None:
-            out[self.path + ("weight_scale_inv",)] = s
+        m, ws, ss, bs = self.m, [], [], []
+        for p, _ in self.sources:
+            src = _Src(self.kinds[p], self.pieces[p + ".weight"], self.pieces.get(p + ".weight_scale_inv"))
+            w, s = _convert(src, m.quant, m.dtype, m.ue8m0, f"tensor '{p}.weight'")
+            ws.append(w), ss.append(s)
+            if m.bias is not None:
+                bs.append(self.pieces[p + ".bias"].astype(m.dtype))
+        out = {self.path + ("weight",): ws[0] if len(ws) == 1 else np.concatenate(ws)}
+        if ss[0] is not None:
+            out[self.path + ("weight_scale_inv",)] = ss[0] if len(ss) == 1 else np.concatenate(ss)
         if m.bias is not None:
-            out[self.path + ("bias",)] = self.pieces[p + ".bias"].astype(m.dtype)
+            out[self.path + ("bias",)] = np.concatenate(bs)
         self.pieces.clear()
         return out
 
@@ -554,11 +573,19 @@ def _iter_tensors(model: DeepseekV3ForCausalLM, expert_layout: str):
     for path, mod in nnx.iter_modules(model):
         p = ".".join(map(str, path))
         if isinstance(mod, layers.Linear):
-            yield p + ".weight", _np(mod.weight[...])
-            if mod.weight_scale_inv is not None:
-                yield p + ".weight_scale_inv", _np(mod.weight_scale_inv[...])
-            if mod.bias is not None:
-                yield p + ".bias", _np(mod.bias[...])
+            w = _np(mod.weight[...])
+            s = None if mod.weight_scale_inv is None else _np(mod.weight_scale_inv[...])
+            b = None if mod.bias is None else _np(mod.bias[...])
+            r0 = b0 = 0
+            for src, rows in _linear_sources(p, mod):        # a fused Linear: each part under its HF name
+                yield src + ".weight", w[r0:r0 + rows]
+                if s is not None:
+                    nb = -(-rows // BLOCK)
+                    yield src + ".weight_scale_inv", s[b0:b0 + nb]
+                    b0 += nb
+                if b is not None:
+                    yield src + ".bias", b[r0:r0 + rows]
+                r0 += rows
         elif isinstance(mod, (layers.RMSNorm, layers.Embed)):
             yield p + ".weight", _np(mod.weight[...])
         elif isinstance(mod, layers.TopkRouter):

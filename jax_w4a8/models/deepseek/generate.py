@@ -248,8 +248,7 @@ def forward_cached(model: DeepseekV3ForCausalLM, input_ids, cache: MLACache, abs
     for i, layer in enumerate(model.model.layers):
         attn = layer.self_attn
         x = layer.input_layernorm(h)
-        q_nope, q_pe = attn.queries(x, cos, sin)
-        c_kv, k_pe = attn.latents(x, cos, sin)
+        q_nope, q_pe, c_kv, k_pe = attn.project(x, cos, sin)
         # pad slots hold zeros: masked keys get probability 0, and 0 * (non-finite pad latent) would be NaN
         c_kv, k_pe = jnp.where(real[..., None], c_kv, 0), jnp.where(real[..., None], k_pe, 0)
         kv_dtype = cache.kv[i].dtype

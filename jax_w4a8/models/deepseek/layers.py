@@ -349,44 +349,85 @@ class Linear(nnx.Module):
     Variables: ``weight`` ([N, K] ``dtype``, or e4m3 for ``quant="fp8"``), ``weight_scale_inv``
     (fp32 [ceil(N/128), ceil(K/128)], fp8 only), ``bias`` ([N] ``dtype``, only when ``use_bias``).
     ``__call__(x [..., K] dtype) -> dtype [..., N]``.
+
+    ``parts``: several checkpoint tensors fused along N (:attr:`MLA.qkv_a_proj`, :attr:`MLP.gate_up_proj`), as
+    ``((name, rows), ...)`` in row order, ``sum(rows) == out_features``; ``name`` is the tensor's HF module
+    name beside this one (``"q_a_proj"``). One product then reads every part's weights. FP8 scales keep
+    each part's own blocks: ``weight_scale_inv`` has ``ceil(rows / 128)`` block rows per part, which is
+    the plain [ceil(N/128), ceil(K/128)] grid when every part but the last is a multiple of 128 rows (all of
+    DeepSeek-V3's); otherwise (tiny test models) each part is its own ``fp8_einsum``.
     """
 
     def __init__(self, in_features: int, out_features: int, *, quant: str = "none", dtype=jnp.bfloat16,
-                 ue8m0: bool = False, use_bias: bool = False, rngs: nnx.Rngs):
+                 ue8m0: bool = False, use_bias: bool = False, parts: tuple[tuple[str, int], ...] | None = None,
+                 rngs: nnx.Rngs):
         if quant not in ("none", "fp8"):
             raise ValueError(f"Linear: quant must be 'none' or 'fp8', got {quant!r}")
-        self.in_features, self.out_features = in_features, out_features
+        if parts is not None:
+            parts = tuple((str(name), int(rows)) for name, rows in parts)
+            if not parts or any(rows <= 0 for _, rows in parts) or sum(r for _, r in parts) != out_features:
+                raise ValueError(f"Linear: parts {parts} must be positive row counts summing to out_features "
+                                 f"({out_features})")
+        self.in_features, self.out_features, self.parts = in_features, out_features, parts
         self.quant, self.dtype, self.ue8m0 = quant, jnp.dtype(dtype), bool(ue8m0)
         w = _normal(rngs, (out_features, in_features), in_features ** -0.5)
         if quant == "none":
             self.weight = nnx.Param(w.astype(dtype))
             self.weight_scale_inv = None
         else:
-            q, s = _init_fp8_blocks(w, BLOCK, ue8m0)
-            self.weight = nnx.Param(q)
-            self.weight_scale_inv = nnx.Param(s)
+            qs = [_init_fp8_blocks(w[r0:r0 + rows], BLOCK, ue8m0) for r0, rows in self._row_ranges()]
+            self.weight = nnx.Param(jnp.concatenate([q for q, _ in qs]))
+            self.weight_scale_inv = nnx.Param(jnp.concatenate([s for _, s in qs]))
         self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
 
+    def _row_ranges(self) -> list[tuple[int, int]]:
+        """(first row, rows) of each part (one part: the whole weight)."""
+        rows = [r for _, r in self.parts] if self.parts else [self.out_features]
+        return [(sum(rows[:j]), n) for j, n in enumerate(rows)]
+
+    @property
+    def block_aligned(self) -> bool:
+        """Whether the parts' FP8 scale blocks form one [ceil(N/128), ceil(K/128)] grid (one product)."""
+        return all(r0 % BLOCK == 0 for r0, _ in self._row_ranges())
+
+    def quantize_input(self, x):
+        """x [..., K] -> (e4m3 [M, K'], fp32 scales [M, K'/128]) for :meth:`apply_quantized`: rows flattened,
+        K zero-padded to K' (a multiple of 128), :func:`quantize_act_groups` (UE8M0 with the weights')."""
+        return quantize_act_groups(_pad_last(x.reshape(-1, x.shape[-1])), self.ue8m0)
+
+    def apply_quantized(self, x8, x_scale):
+        """The FP8 product of activations already quantized per token and 128 channels.
+
+        Args: x8 e4m3 [M, K'] and x_scale fp32 [M, K'/128] (:meth:`quantize_input`, or
+          ``ops.silu_mul_quantize_fp8_groups``; powers of two when ``ue8m0``); K' = K rounded up to 128.
+        Returns: ``dtype`` [M, N], bias added.
+        """
+        if self.quant != "fp8":
+            raise ValueError(f"Linear.apply_quantized needs quant='fp8' weights, this one has {self.quant!r}")
+        w, ws = _pad_last(self.weight[...]), self.weight_scale_inv[...]
+        if self.ue8m0:
+            # Powers of two by construction (the quantizer rounds them, the loader checks the
+            # checkpoint's): pass 1-byte codes, not fp32 scales that the op would re-check on the host.
+            x_scale, ws = qlib.encode_ue8m0(x_scale), qlib.encode_ue8m0(ws)
+        if self.block_aligned:
+            y = ops.fp8_einsum("md,nd->mn", x8, x_scale, w, ws, out_dtype=self.dtype)
+        else:   # parts off the 128-row grid (tiny test models): one product per part, each on its blocks
+            ys, b0 = [], 0
+            for r0, rows in self._row_ranges():
+                nb = -(-rows // BLOCK)
+                ys.append(ops.fp8_einsum("md,nd->mn", x8, x_scale, w[r0:r0 + rows], ws[b0:b0 + nb],
+                                         out_dtype=self.dtype))
+                b0 += nb
+            y = jnp.concatenate(ys, axis=-1)
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
+
     def __call__(self, x):
-        lead, k = x.shape[:-1], x.shape[-1]
-        if self.quant == "none":
-            w = self.weight[...]
-            y = jnp.einsum("...k,nk->...n", x, w, precision=_precision(self.dtype),
-                           preferred_element_type=F32).astype(self.dtype)
-        else:
-            x2 = _pad_last(x.reshape(-1, k))
-            w = _pad_last(self.weight[...])
-            x8, xs = quantize_act_groups(x2, self.ue8m0)
-            ws = self.weight_scale_inv[...]
-            if self.ue8m0:
-                # Powers of two by construction (the quantizer rounds them, the loader checks the
-                # checkpoint's): pass 1-byte codes, not fp32 scales that the op would re-check on the host.
-                xs, ws = qlib.encode_ue8m0(xs), qlib.encode_ue8m0(ws)
-            y = ops.fp8_einsum("md,nd->mn", x8, xs, w, ws, out_dtype=self.dtype)
-            y = y.reshape(*lead, self.out_features)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(self.dtype)
-        return y
+        lead = x.shape[:-1]
+        if self.quant == "fp8":
+            return self.apply_quantized(*self.quantize_input(x)).reshape(*lead, self.out_features)
+        y = jnp.einsum("...k,nk->...n", x, self.weight[...], precision=_precision(self.dtype),
+                       preferred_element_type=F32).astype(self.dtype)
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 
 class TopkRouter(nnx.Module):
@@ -485,24 +526,46 @@ class Experts(nnx.Module):
         gu = jnp.concatenate([deq(gu[:, :self.inter], s[:, :nb]), deq(gu[:, self.inter:], s[:, nb:])], axis=1)
         return gu, deq(dn, self.down_proj_scale_inv[...])
 
-    def _w4a8_gemm(self, x, w, w_scale, input_scale, group_sizes):
+    @property
+    def quantizes_input(self) -> bool:
+        """Whether :meth:`__call__` takes its rows quantized (:meth:`quantize_input`): W4A8 with dynamic
+        per-token-group activation scales. Quantizing per row commutes with the gather that sorts rows by
+        expert, so :class:`MoE` quantizes its N tokens once instead of their N * top_k rows (the same
+        quantizer call as the shared expert's, which XLA then computes once)."""
+        return self.quant == "w4a8" and self.act_scale == "dynamic"
+
+    def quantize_input(self, x):
+        """x [R, D] -> (e4m3 [R, D], fp32 scales [R, D/128]) as the W4A8 gate+up product takes them
+        (:func:`quantize_act_groups`; powers of two when ``ue8m0``)."""
+        return quantize_act_groups(x.astype(self.dtype), self.ue8m0)
+
+    def _w4a8_static(self, x, w, w_scale, input_scale, group_sizes):
+        s = jnp.max(input_scale).astype(F32)
+        return ops.w4a8_grouped_gemm(qlib.quantize_fp8_tensor(x, s), s, w, w_scale, group_sizes,
+                                     out_dtype=self.dtype)
+
+    def _w4a8(self, x_sorted, group_sizes):
+        w13, w13_s, w2, w2_s = (self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], self.down_proj[...],
+                                self.down_proj_scale_inv[...])
         if self.act_scale == "static":
-            s = jnp.max(input_scale).astype(F32)
-            x8, xs = qlib.quantize_fp8_tensor(x, s), s
-        else:
-            x8, xs = quantize_act_groups(x, self.ue8m0)
-        return ops.w4a8_grouped_gemm(x8, xs, w, w_scale, group_sizes, out_dtype=self.dtype)
+            x = x_sorted.astype(self.dtype)
+            gu = self._w4a8_static(x, w13, w13_s, self.gate_up_proj_input_scale[...], group_sizes)
+            h = silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype)
+            return self._w4a8_static(h, w2, w2_s, self.down_proj_input_scale[...], group_sizes)
+        x8, xs = x_sorted if isinstance(x_sorted, tuple) else self.quantize_input(x_sorted)
+        gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype)
+        # silu(gate) * up in float32 and the down projection's quantization: one kernel, h never in memory
+        h8, hs = ops.silu_mul_quantize_fp8_groups(gu, self.ue8m0)
+        return ops.w4a8_grouped_gemm(h8, hs, w2, w2_s, group_sizes, out_dtype=self.dtype)
 
     def __call__(self, x_sorted, group_sizes):
-        x = x_sorted.astype(self.dtype)
+        """x_sorted [R, D] rows sorted by expert (or, when :attr:`quantizes_input`, the pair
+        :meth:`quantize_input` makes of them); group_sizes int32 [E] -> ``dtype`` [R, D]."""
         if self.quant == "w4a8":
-            gu = self._w4a8_gemm(x, self.gate_up_proj[...], self.gate_up_proj_scale_inv[...],
-                                 None if self.gate_up_proj_input_scale is None else self.gate_up_proj_input_scale[...],
-                                 group_sizes)
-            h = silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype)
-            return self._w4a8_gemm(h, self.down_proj[...], self.down_proj_scale_inv[...],
-                                   None if self.down_proj_input_scale is None else self.down_proj_input_scale[...],
-                                   group_sizes)
+            return self._w4a8(x_sorted, group_sizes)
+        if isinstance(x_sorted, tuple):
+            raise TypeError(f"Experts({self.quant!r}) takes float rows, not quantized (codes, scales)")
+        x = x_sorted.astype(self.dtype)
         w_gu, w_dn = self._dense_weights()
         if self.quant == "fp8":
             x = fake_quant_fp8_groups(x, self.ue8m0)
@@ -514,16 +577,28 @@ class Experts(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU ``down(silu(gate x) * up x)`` (dense layers and shared experts); [..., D] -> [..., D]."""
+    """SwiGLU ``down(silu(gate x) * up x)`` (dense layers and shared experts); [..., D] -> [..., D].
+
+    ``gate_up_proj`` holds HF's ``gate_proj`` then ``up_proj`` rows ([2I, D], :class:`Linear` ``parts``), so
+    one product computes both. With FP8 weights and I a multiple of 128, ``silu(gate) * up`` and the down
+    projection's activation quantization are one kernel (``ops.silu_mul_quantize_fp8_groups``: the product
+    in float32, quantized without a bf16 rounding in between), so the [..., I] activation never goes to memory.
+    """
 
     def __init__(self, hidden: int, inter: int, *, quant: str = "none", dtype=jnp.bfloat16, ue8m0: bool = False,
                  rngs: nnx.Rngs):
         lin = functools.partial(Linear, quant=quant, dtype=dtype, ue8m0=ue8m0, rngs=rngs)
-        self.dtype = jnp.dtype(dtype)
-        self.gate_proj, self.up_proj, self.down_proj = lin(hidden, inter), lin(hidden, inter), lin(inter, hidden)
+        self.dtype, self.inter = jnp.dtype(dtype), inter
+        self.gate_up_proj = lin(hidden, 2 * inter, parts=(("gate_proj", inter), ("up_proj", inter)))
+        self.down_proj = lin(inter, hidden)
 
     def __call__(self, x):
-        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x), self.dtype))
+        i = self.inter
+        gu = self.gate_up_proj(x)
+        if self.down_proj.quant == "fp8" and i % BLOCK == 0:
+            h8, hs = ops.silu_mul_quantize_fp8_groups(gu.reshape(-1, 2 * i), self.down_proj.ue8m0)
+            return self.down_proj.apply_quantized(h8, hs).reshape(*x.shape[:-1], -1)
+        return self.down_proj(silu_mul(gu[..., :i], gu[..., i:], self.dtype))
 
 
 class MoE(nnx.Module):
@@ -549,7 +624,8 @@ class MoE(nnx.Module):
         xf = x.reshape(-1, x.shape[-1])
         ids, weights = self.gate(xf)
         if self.expert_parallel is None:
-            y = moe.moe_apply(xf, ids, weights, self.experts, self.num_experts, out_dtype=F32)
+            rows = self.experts.quantize_input(xf) if self.experts.quantizes_input else xf
+            y = moe.moe_apply(rows, ids, weights, self.experts, self.num_experts, out_dtype=F32)
         else:
             graphdef, state = nnx.split(self.experts)
             y = expert_parallel.moe_apply_ep(
@@ -571,8 +647,11 @@ class MLA(nnx.Module):
     * :meth:`attend_absorbed` (same arguments, plus :meth:`absorbed_weights`): the absorbed form, attention
       in the latent space without expanding the cache (what decoding uses).
 
-    ``__call__(x, cos, sin, mask)`` chains them over the same tokens. ``q_lora_rank=None`` gives a plain
-    ``q_proj``; ``q_a_layernorm``/``kv_a_layernorm`` use eps 1e-6 whatever ``rms_norm_eps`` is.
+    ``__call__(x, cos, sin, mask)`` chains them over the same tokens (:meth:`project` gives the first two
+    from one product). ``qkv_a_proj`` holds HF's ``q_a_proj`` then ``kv_a_proj_with_mqa`` rows (:class:`Linear`
+    ``parts``: one product reads both, as sglang's ``fused_qkv_a_proj_with_mqa``); ``q_lora_rank=None`` gives
+    a plain ``q_proj`` and a ``kv_a_proj_with_mqa`` of its own. ``q_a_layernorm``/``kv_a_layernorm`` use eps
+    1e-6 whatever ``rms_norm_eps`` is.
     """
 
     def __init__(self, cfg: DeepseekConfig, *, quant: QuantConfig = QuantConfig(), dtype=jnp.bfloat16,
@@ -583,31 +662,53 @@ class MLA(nnx.Module):
         lin = functools.partial(Linear, quant=quant.linear, dtype=dtype, ue8m0=quant.ue8m0, rngs=rngs)
         bias = cfg.attention_bias
         self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = nnx.data(None)
+        self.qkv_a_proj = self.kv_a_proj_with_mqa = nnx.data(None)
         if cfg.q_lora_rank is None:
             self.q_proj = lin(d, h * (dn + dr))
+            self.kv_a_proj_with_mqa = lin(d, r + dr, use_bias=bias)
         else:
-            self.q_a_proj = lin(d, cfg.q_lora_rank, use_bias=bias)
+            self.qkv_a_proj = lin(d, cfg.q_lora_rank + r + dr, use_bias=bias,
+                                  parts=(("q_a_proj", cfg.q_lora_rank), ("kv_a_proj_with_mqa", r + dr)))
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, eps=1e-6, dtype=dtype)
             self.q_b_proj = lin(cfg.q_lora_rank, h * (dn + dr))
-        self.kv_a_proj_with_mqa = lin(d, r + dr, use_bias=bias)
         self.kv_a_layernorm = RMSNorm(r, eps=1e-6, dtype=dtype)
         self.kv_b_proj = lin(r, h * (dn + dv))
         self.o_proj = lin(h * dv, d, use_bias=bias)
 
-    def queries(self, x, cos, sin):
-        """x [B, T, D]; cos, sin [B, T, dr/2] -> (q_nope [B, T, H, dn], q_pe [B, T, H, dr] roped)."""
+    def _first_projections(self, x):
+        """x [B, T, D] -> (q_a [B, T, q_lora_rank] or None, kv_a [B, T, R + dr]), from one product when
+        ``qkv_a_proj`` holds both."""
+        if self.qkv_a_proj is None:
+            return None, self.kv_a_proj_with_mqa(x)
+        y = self.qkv_a_proj(x)
+        q = self.cfg.q_lora_rank
+        return y[..., :q], y[..., q:]
+
+    def _queries(self, x, q_a, cos, sin):
         c = self.cfg
-        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = self.q_proj(x) if q_a is None else self.q_b_proj(self.q_a_layernorm(q_a))
         q = q.reshape(*x.shape[:-1], c.num_attention_heads, c.qk_head_dim)
         q_nope, q_pe = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
         return q_nope, apply_rope(q_pe, cos[..., None, :], sin[..., None, :], c.rope_interleave)
 
+    def _latents(self, kv_a, cos, sin):
+        c = self.cfg
+        c_kv = self.kv_a_layernorm(kv_a[..., :c.kv_lora_rank])
+        return c_kv, apply_rope(kv_a[..., c.kv_lora_rank:], cos, sin, c.rope_interleave)
+
+    def project(self, x, cos, sin):
+        """x [B, T, D]; cos, sin [B, T, dr/2] -> (q_nope, q_pe, c_kv, k_pe): :meth:`queries` and :meth:`latents`
+        with ``qkv_a_proj`` computed once (what the model and generate() call)."""
+        q_a, kv_a = self._first_projections(x)
+        return (*self._queries(x, q_a, cos, sin), *self._latents(kv_a, cos, sin))
+
+    def queries(self, x, cos, sin):
+        """x [B, T, D]; cos, sin [B, T, dr/2] -> (q_nope [B, T, H, dn], q_pe [B, T, H, dr] roped)."""
+        return self._queries(x, self._first_projections(x)[0], cos, sin)
+
     def latents(self, x, cos, sin):
         """x [B, T, D]; cos, sin [B, T, dr/2] -> (c_kv [B, T, R] normed, k_pe [B, T, dr] roped)."""
-        c = self.cfg
-        ckv = self.kv_a_proj_with_mqa(x)
-        c_kv = self.kv_a_layernorm(ckv[..., :c.kv_lora_rank])
-        return c_kv, apply_rope(ckv[..., c.kv_lora_rank:], cos, sin, c.rope_interleave)
+        return self._latents(self._first_projections(x)[1], cos, sin)
 
     def attend(self, q_nope, q_pe, c_kv, k_pe, mask):
         """Attention of T queries over S latents; returns ``o_proj`` output [B, T, D]."""
@@ -685,9 +786,7 @@ class MLA(nnx.Module):
 
     def __call__(self, x, cos, sin, mask):
         """x [B, T, D] (normed), cos/sin [B, T, dr/2], mask bool [B, T, T] -> [B, T, D]."""
-        q_nope, q_pe = self.queries(x, cos, sin)
-        c_kv, k_pe = self.latents(x, cos, sin)
-        return self.attend(q_nope, q_pe, c_kv, k_pe, mask)
+        return self.attend(*self.project(x, cos, sin), mask)
 
 
 class DecoderLayer(nnx.Module):
