@@ -2,7 +2,9 @@
 
     python benchmarks/bench_expert_parallel.py [--experts 256] [--out DIR]
 
-Hidden 7168, experts of 2048 (W4A8, per-token-group fp8 activations), top-8 over random routing.
+Hidden 7168, experts of 2048 (W4A8, per-token-group fp8 activations), top-8 over random routing. As in
+the model, the tokens are quantized once before dispatch, so e4m3 rows and their scales travel
+(``--tokens bf16``: bf16 rows travel and the experts quantize them, as before the thirty-seventh session).
 Decode (64 tokens, "gather" dispatch: psum of partial outputs) and prefill (4096 tokens, "all_to_all":
 ragged all-to-all both ways). For each: time of the layer on one GPU, on the n-GPU mesh, and of the
 same n-GPU layer with identity experts (the dispatch, collectives and combine alone); compute on the
@@ -26,6 +28,8 @@ def main():
     p.add_argument("--inter", type=int, default=2048)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--out")
+    p.add_argument("--tokens", choices=("fp8", "bf16"), default="fp8",
+                   help="what the dispatch moves: quantized tokens (the model's way) or bf16 rows")
     p.add_argument("--tiny", action="store_true", help="small shapes on CPU devices (smoke test)")
     args = p.parse_args()
 
@@ -57,11 +61,16 @@ def main():
         return jax.jit(make, out_shardings={nm: shard for nm in ("w13", "s13", "w2", "s2")})(jax.random.key(0))
 
     def experts_fn(prm, x, gs):
-        x8, xs = ops.quantize_fp8_groups(x)
+        x8, xs = x if isinstance(x, tuple) else ops.quantize_fp8_groups(x)
         y = ops.w4a8_grouped_gemm(x8, xs, prm["w13"], prm["s13"], gs)
-        h = (jax.nn.silu(y[:, :i].astype(jnp.float32)) * y[:, i:].astype(jnp.float32)).astype(jnp.bfloat16)
-        h8, hs = ops.quantize_fp8_groups(h)
+        h8, hs = ops.silu_mul_quantize_fp8_groups(y)
         return ops.w4a8_grouped_gemm(h8, hs, prm["w2"], prm["s2"], gs)
+
+    def tokens_in(x):   # what moe_apply(_ep) dispatches
+        return ops.quantize_fp8_groups(x) if args.tokens == "fp8" else x
+
+    def identity(prm, xs, gs):
+        return (xs[0] if isinstance(xs, tuple) else xs).astype(jnp.bfloat16)
 
     rows = []
     w_mesh = weights(mesh)
@@ -78,23 +87,24 @@ def main():
         ids = jax.device_put(jax.random.randint(jax.random.fold_in(key, 1), (tokens, k), 0, e, jnp.int32), rep)
         tw = jax.device_put(jax.random.uniform(jax.random.fold_in(key, 2), (tokens, k), jnp.float32), rep)
         ep = ExpertParallel(mesh, dispatch, exchange=exchange)
-        f_mesh = jax.jit(lambda a, b, c, w: moe_apply_ep(a, b, c, w, experts_fn, e, ep))
-        f_comm = jax.jit(lambda a, b, c, w: moe_apply_ep(a, b, c, w, lambda prm, xs, gs: xs, e, ep))
+        f_mesh = jax.jit(lambda a, b, c, w: moe_apply_ep(tokens_in(a), b, c, w, experts_fn, e, ep))
+        f_comm = jax.jit(lambda a, b, c, w: moe_apply_ep(tokens_in(a), b, c, w, identity, e, ep))
         one = NamedSharding(single, P())
         x1, ids1, tw1 = (jax.device_put(v, one) for v in (x, ids, tw))
-        f_one = jax.jit(lambda a, b, c, w: moe.moe_apply(a, b, c, lambda xs, gs: experts_fn(w, xs, gs), e))
+        f_one = jax.jit(lambda a, b, c, w: moe.moe_apply(tokens_in(a), b, c, lambda xs, gs: experts_fn(w, xs, gs), e))
         t_one = C.bench(f_one, [(x1, ids1, tw1, w_one)], n=5, rounds=5)
         t_mesh = C.bench(f_mesh, [(x, ids, tw, w_mesh)], n=5, rounds=5)
         t_comm = C.bench(f_comm, [(x, ids, tw, w_mesh)], n=5, rounds=5)
         err = float(jnp.abs(f_mesh(x, ids, tw, w_mesh).astype(jnp.float32) -
                             jax.device_put(f_one(x1, ids1, tw1, w_one), rep).astype(jnp.float32)).max())
-        r = dict(case=name, tokens=tokens, dispatch=dispatch if dispatch == "gather" else f"{dispatch}/{exchange}", gpus=n, one_gpu_us=t_one * 1e6, mesh_us=t_mesh * 1e6,
+        r = dict(case=name, tokens=tokens, moved=args.tokens, dispatch=dispatch if dispatch == "gather" else f"{dispatch}/{exchange}", gpus=n, one_gpu_us=t_one * 1e6, mesh_us=t_mesh * 1e6,
                  dispatch_collectives_us=t_comm * 1e6, compute_us=(t_mesh - t_comm) * 1e6, speedup=t_one / t_mesh,
                  max_abs_diff=err)
         rows.append(r)
         print({kk: (round(v, 1) if isinstance(v, float) else v) for kk, v in r.items()}, flush=True)
     out = C.out_dir(args.out)
-    C.save_json(out / "expert_parallel.json", dict(rows=rows, experts=e, hidden=d, inter=i, top_k=k))
+    C.save_json(out / "expert_parallel.json", dict(rows=rows, experts=e, hidden=d, inter=i, top_k=k,
+                                                   tokens=args.tokens))
     print(C.fmt_table([{kk: (f"{v:.1f}" if isinstance(v, float) else v) for kk, v in r.items()} for r in rows],
                       list(rows[0])))
 

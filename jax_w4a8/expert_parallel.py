@@ -97,11 +97,26 @@ def _gather_body(x, ids, weights, params, *, experts_fn, num_experts, n):
     flat = ids.reshape(-1).astype(jnp.int32)
     local = (flat // e_local) == d
     order, inverse, sizes = _sort_local(flat % e_local, local, e_local)
-    y = experts_fn(params, jnp.take(x, order // k, axis=0), sizes)
+    y = experts_fn(params, _rows(x, lambda a: jnp.take(a, order // k, axis=0)), sizes)
     y = jnp.take(y, inverse, axis=0).astype(F32)
     y = jnp.where(local[:, None], y, 0.0).reshape(tokens, k, y.shape[-1])  # non-local rows ignored, not multiplied
     out = jnp.einsum("nkd,nk->nd", y, weights.astype(F32), precision=jax.lax.Precision.HIGHEST)
     return jax.lax.psum(out, EXPERT_AXIS)
+
+
+def _rows(x, fn):
+    """``fn`` on each array of ``x`` (an array of token rows, or a tuple of them: fp8 codes and scales)."""
+    return tuple(fn(a) for a in x) if isinstance(x, tuple) else fn(x)
+
+
+def _exchange_rows(x, **kw):
+    """:func:`_exchange` of each array of ``x``; fp8 codes travel as their bytes (uint8: every collective
+    moves those, exactly)."""
+    def one(a):
+        if jnp.dtype(a.dtype).itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating):
+            return jax.lax.bitcast_convert_type(_exchange(jax.lax.bitcast_convert_type(a, jnp.uint8), **kw), a.dtype)
+        return _exchange(a, **kw)
+    return _rows(x, one)
 
 
 def _exchange(rows, send_offsets, send_sizes, out_offsets, recv_sizes, out_rows, cap, n, exchange="ragged"):
@@ -143,11 +158,11 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
     t_local = -(-tokens // n)
     pad = t_local * n - tokens
     if pad:
-        x = jnp.pad(x, ((0, pad), (0, 0)))
+        x = _rows(x, lambda a: jnp.pad(a, ((0, pad), (0, 0))))
         ids = jnp.pad(ids, ((0, pad), (0, 0)))
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
     start = d * t_local
-    my_x = jax.lax.dynamic_slice_in_dim(x, start, t_local)
+    my_x = _rows(x, lambda a: jax.lax.dynamic_slice_in_dim(a, start, t_local))
     my_ids = jax.lax.dynamic_slice_in_dim(ids, start, t_local).reshape(-1).astype(jnp.int32)
     my_w = jax.lax.dynamic_slice_in_dim(weights, start, t_local)
     tok_valid = (start + jnp.arange(t_local)) < tokens
@@ -164,17 +179,17 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
     cap = slots
     arange_n = jnp.arange(n, dtype=jnp.int32)
 
-    send_x = jnp.take(my_x, order // k, axis=0)
+    send_x = _rows(my_x, lambda a: jnp.take(a, order // k, axis=0))
     send_e = jnp.take(my_ids, order) % e_local
     fwd = dict(send_offsets=send_offsets, send_sizes=send_sizes, out_offsets=jnp.full((n,), d * cap, jnp.int32),
                recv_sizes=recv_sizes, out_rows=n * cap, cap=cap, n=n, exchange=exchange)
-    recv_x = _exchange(send_x, **fwd)
+    recv_x = _exchange_rows(send_x, **fwd)
     recv_e = _exchange(send_e, **fwd)
 
     # Compute on my experts.
     recv_valid = (jnp.arange(n * cap) % cap) < jnp.repeat(recv_sizes, cap)
     order2, inverse2, sizes = _sort_local(recv_e, recv_valid, e_local)
-    y = experts_fn(params, jnp.take(recv_x, order2, axis=0), sizes)
+    y = experts_fn(params, _rows(recv_x, lambda a: jnp.take(a, order2, axis=0)), sizes)
     y = jnp.where(recv_valid[:, None], jnp.take(y, inverse2, axis=0), 0)
 
     # Send results back to where each slot came from, un-sort, combine my tokens.
@@ -191,11 +206,13 @@ def moe_apply_ep(x, topk_ids, topk_weights, expert_params: Any, experts_fn: Call
     """Expert-parallel :func:`jax_w4a8.moe.moe_apply`.
 
     Args:
-      x: [N, D] expert inputs, replicated over the mesh.
+      x: [N, D] expert inputs, replicated over the mesh; or a tuple of arrays of N rows (tokens already
+        quantized: fp8 codes [N, D] and scales [N, D/128]), gathered and exchanged alike (fp8 rows move
+        half the bytes of bf16 ones).
       topk_ids: int [N, K]; topk_weights: float32 [N, K] (replicated).
       expert_params: a pytree whose every leaf has the expert axis first ([E, ...]), sharded over
         ``"expert"`` (or placeable so).
-      experts_fn: ``(local_params, x_sorted [R, D], group_sizes int32 [E/n]) -> [R, D]``; rows past
+      experts_fn: ``(local_params, x_sorted [R, D] (or the tuple), group_sizes int32 [E/n]) -> [R, D]``; rows past
         ``sum(group_sizes)`` are padding (their outputs are ignored).
       num_experts: E, a multiple of the expert-axis size.
       ep: :class:`ExpertParallel`.
@@ -205,9 +222,10 @@ def moe_apply_ep(x, topk_ids, topk_weights, expert_params: Any, experts_fn: Call
     n = ep.size
     if num_experts % n:
         raise ValueError(f"moe_apply_ep: {num_experts} experts do not divide over an expert axis of size {n}")
-    if x.shape[0] == 0:  # nothing to route (collectives reject empty operands)
-        return jnp.zeros(x.shape, out_dtype)
-    if ep.strategy(x.shape[0]) == "gather":
+    rows = x[0] if isinstance(x, tuple) else x
+    if rows.shape[0] == 0:  # nothing to route (collectives reject empty operands)
+        return jnp.zeros(rows.shape, out_dtype)
+    if ep.strategy(rows.shape[0]) == "gather":
         body = _gather_body
     else:
         body = functools.partial(_all_to_all_body, exchange=ep.exchange)

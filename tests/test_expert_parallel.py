@@ -91,6 +91,22 @@ def test_bf16_sharded_close(ckpt):
     _check_sharded(ckpt, 4, "auto", jax.devices("cpu"), dtype=jnp.bfloat16, tol=2e-2)
 
 
+def test_w4a8_tokens_travel_as_fp8(ckpt):
+    """W4A8 experts with dynamic scales take their tokens quantized before dispatch: the all-to-all moves
+    e4m3 codes (as bytes) and float32 scales out, not bf16 rows; the logits are the single-device ones."""
+    import re
+    devices = jax.devices("cpu")
+    mesh = sharding.make_mesh(2, devices)
+    model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.bfloat16, progress=False, mesh=mesh,
+                            dispatch="all_to_all")
+    hlo = jax.jit(lambda t: model(t)).lower(jnp.asarray(IDS)).as_text()
+    moved = re.findall(r"stablehlo\.all_to_all.*?-> tensor<([^>]*)>", hlo)
+    # out: codes as bytes and their scales; back: the experts' bf16 results (the only bf16 rows that move)
+    assert sum(t.endswith("x256xui8") for t in moved) == 1 and sum(t.endswith("x2xf32") for t in moved) == 1
+    assert sum(t.endswith("xbf16") for t in moved) == 1, moved
+    _check_sharded(ckpt, 2, "all_to_all", devices, dtype=jnp.bfloat16, tol=2e-2)
+
+
 @pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
 def test_zero_tokens(dispatch):
     from jax_w4a8.expert_parallel import moe_apply_ep

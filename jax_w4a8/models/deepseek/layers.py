@@ -623,13 +623,15 @@ class MoE(nnx.Module):
     def __call__(self, x):
         xf = x.reshape(-1, x.shape[-1])
         ids, weights = self.gate(xf)
+        # W4A8 experts take their rows quantized: the N tokens once (the shared expert's quantizer call
+        # too, merged by XLA), not their N * top_k gathered rows; under EP fp8 rows travel.
+        rows = self.experts.quantize_input(xf) if self.experts.quantizes_input else xf
         if self.expert_parallel is None:
-            rows = self.experts.quantize_input(xf) if self.experts.quantizes_input else xf
             y = moe.moe_apply(rows, ids, weights, self.experts, self.num_experts, out_dtype=F32)
         else:
             graphdef, state = nnx.split(self.experts)
             y = expert_parallel.moe_apply_ep(
-                xf, ids, weights, state, lambda st, xs, gs: nnx.merge(graphdef, st)(xs, gs), self.num_experts,
+                rows, ids, weights, state, lambda st, xs, gs: nnx.merge(graphdef, st)(xs, gs), self.num_experts,
                 self.expert_parallel, out_dtype=F32)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf).astype(F32)
