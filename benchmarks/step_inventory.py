@@ -5,9 +5,11 @@ layer, before and after XLA's optimizations (CSE merges identical calls), and th
     python benchmarks/step_inventory.py --v3 --layers 1 # DeepSeek-V3 widths (weights made on the device)
 
 Every custom call is a node of XLA's command buffer of its own (a child graph: see benchmarks/RESULTS.md,
-thirty-sixth session), so their number per layer is what fusing ops (one einsum for q_a and kv_a, one for a
-shared expert's gate and up, quantizing the MoE input once) would reduce. The small widths keep every
-contracted size a multiple of 128, so the step runs the same ops as at DeepSeek-V3's widths.
+thirty-sixth session), so their number per layer is what fusing ops reduces: 20 per layer before the
+thirty-seventh session, 17 since (one einsum for q_a and kv_a and one for a shared expert's gate and up, the
+SiLU product fused into the down projections' quantizer, the MoE tokens quantized once; the list is in
+``jax_w4a8/models/deepseek/layers.py``). The small widths keep every contracted size a multiple of 128, so
+the step runs the same ops as at DeepSeek-V3's widths.
 """
 
 from __future__ import annotations

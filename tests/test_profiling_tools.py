@@ -305,3 +305,7 @@ def test_step_inventory_lists_the_decode_steps_custom_calls():
     assert {"jax_w4a8_fp8_einsum", "jax_w4a8_quantize_fp8_groups", "jax_w4a8_w4a8_grouped_gemm"} <= set(rows)
     for target, (lowered, compiled, per_layer) in rows.items():
         assert 0 < int(compiled) <= int(lowered), (target, lowered, compiled)  # CSE only merges
+    # the model's decode layer (list in layers.py): 7 einsums, 8 quantizer calls, 2 grouped GEMMs
+    per_layer = {t: float(v[2]) for t, v in rows.items()}
+    assert per_layer == {"jax_w4a8_fp8_einsum": 7.0, "jax_w4a8_quantize_fp8_groups": 8.0,
+                         "jax_w4a8_w4a8_grouped_gemm": 2.0}, per_layer

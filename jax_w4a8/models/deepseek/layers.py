@@ -2,7 +2,17 @@
 
 Everything reproduces transformers 5.17's ``DeepseekV3ForCausalLM`` (``tests/golden/SEMANTICS.md``). Weights
 keep the HF layout ``[out, in]`` and HF names, so a module path *is* the checkpoint key
-(``model.layers.3.self_attn.q_a_proj.weight``).
+(``model.layers.3.self_attn.kv_b_proj.weight``), except where two linears that read the same input are one
+product (:class:`Linear` ``parts``): ``self_attn.qkv_a_proj`` holds ``q_a_proj`` then ``kv_a_proj_with_mqa``
+rows, ``mlp.gate_up_proj`` (dense and shared-expert MLPs) ``gate_proj`` then ``up_proj`` rows, each part
+with its own FP8 blocks; the checkpoint code reads and writes them under their HF names.
+
+Custom calls per decode layer (W4A8 model; ``benchmarks/step_inventory.py``): 7 ``fp8_einsum`` (qkv_a, q_b,
+the two absorbed per-head products, o_proj, the shared expert's gate_up and down), 8 quantizer calls (the
+attention input, q_a's norm, q_nope, the latent output, o_proj's input, the MoE tokens once for the routed
+and shared experts, and ``silu(gate) * up`` fused into the routed and the shared down projection's
+quantizer) and 2 ``w4a8_grouped_gemm``: 17, where separate q_a / kv_a and gate / up products, a bf16 SiLU
+product and the routed rows quantized after the gather took 20.
 
 Dtypes. Activations are ``dtype`` (bfloat16, or float32 for golden comparisons) between every module.
 float32 is used only *inside* RMSNorm statistics, RoPE angles, the attention softmax (and its logits), the
