@@ -240,6 +240,41 @@ def test_save_load_round_trip(tmp_path, fp32_ckpt, quantize, layout, shard_bytes
     np.testing.assert_array_equal(logits(model, ids), logits(again, ids))
 
 
+@pytest.mark.parametrize("quantize", [None, "fp8"])
+def test_fused_projections_keep_hf_tensors_with_biases(tmp_path, rng, quantize):
+    """q_a + kv_a and gate + up live in one Linear each; with attention biases, a checkpoint goes in and comes
+    back out under exactly its HF keys, every part's weight, scales and bias in its own rows."""
+    cfg_dict = dict(CK, attention_bias=True)
+    cfg = DeepseekConfig.from_dict(cfg_dict)
+    w = random_weights(cfg, rng)
+    for i in range(cfg.num_hidden_layers):
+        for name, n in (("q_a_proj", cfg.q_lora_rank), ("kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                        ("o_proj", cfg.hidden_size)):
+            w[f"model.layers.{i}.self_attn.{name}.bias"] = rng.standard_normal(n).astype(np.float32)
+    src = str(tmp_path / "src")
+    write_checkpoint(src, cfg_dict, w)
+    model = load_checkpoint(src, quantize=quantize, dtype=jnp.float32, progress=False)
+    lin = model.model.layers[1].self_attn.qkv_a_proj
+    a = "model.layers.1.self_attn."
+    np.testing.assert_array_equal(np.asarray(lin.bias[...]),
+                                  np.concatenate([w[a + "q_a_proj.bias"], w[a + "kv_a_proj_with_mqa.bias"]]))
+    out = str(tmp_path / "saved")
+    save_checkpoint(model, out)
+    saved = set(_header_keys(os.path.join(out, "model.safetensors")))
+    want = set(w) - {"lm_head.weight"} if cfg.tie_word_embeddings else set(w)
+    if quantize == "fp8":   # every linear but the router and lm_head gains its block scales
+        want |= {k.replace(".weight", ".weight_scale_inv") for k, _, _ in _linear_keys(cfg)}
+    assert saved == want, (saved ^ want)
+    again = load_checkpoint(out, dtype=jnp.float32, progress=False)
+    assert_same_state(model, again)
+    if quantize is None:    # float32 in, float32 model: the same bytes come back out
+        from safetensors.numpy import load_file
+        back = load_file(os.path.join(out, "model.safetensors"))
+        for k in (a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.bias", "model.layers.0.mlp.up_proj.weight",
+                  "model.layers.1.mlp.shared_experts.gate_proj.weight"):
+            np.testing.assert_array_equal(back[k], w[k])
+
+
 def test_save_w4afp8_with_input_scales(tmp_path, fp32_ckpt, rng):
     path, cfg, w = fp32_ckpt
     src = str(tmp_path / "w4afp8")
