@@ -20,6 +20,7 @@ import _common as C  # noqa: E402
 
 LINEARS = {  # name: (N, K)
     "q_a": (1536, 7168), "q_b": (24576, 1536), "kv_a": (576, 7168), "o_proj": (7168, 16384),
+    "qkv_a": (2112, 7168),  # q_a and kv_a as the model runs them: one product (MLA.qkv_a_proj)
     "shared_up": (4096, 7168), "shared_down": (7168, 2048), "dense_up": (36864, 7168), "dense_down": (7168, 18432),
     "square": (7168, 7168),
 }
@@ -55,7 +56,7 @@ def run(args):
     key = jax.random.key(0)
     rows = []
     ms = MS_QUICK if args.quick else MS_FULL
-    linears = {k: v for k, v in LINEARS.items() if not args.quick or k in ("q_a", "kv_a", "square", "o_proj")}
+    linears = {k: v for k, v in LINEARS.items() if not args.quick or k in ("q_a", "kv_a", "qkv_a", "square", "o_proj")}
     for name, (n, k) in linears.items():
         ws = [jax.random.normal(jax.random.fold_in(key, i), (n, k), jnp.float32) * 0.02 for i in range(2)]
         wq = [quant.quantize_fp8_blocks(w, ue8m0=True) for w in ws]

@@ -45,6 +45,7 @@ EINSUM_CASES = {
     "wo_a1": ("bhr,hdr->bhd", (1, 16, 4096), (16, 1024, 4096)),  # DeepSeek-V4-Pro wo_a
     "q_a1": ("md,nd->mn", (1, 7168), (1536, 7168)),
     "kv_a1": ("md,nd->mn", (1, 7168), (576, 7168)),
+    "qkv_a1": ("md,nd->mn", (1, 7168), (2112, 7168)),  # q_a and kv_a in one product (MLA.qkv_a_proj)
     "o_proj1": ("md,nd->mn", (1, 16384), (7168, 16384)),
     "o_proj16": ("md,nd->mn", (16, 16384), (7168, 16384)),
     "o_proj32": ("md,nd->mn", (32, 16384), (7168, 16384)),
