@@ -412,9 +412,20 @@ def test_mla_project_is_queries_and_latents_from_one_product(rng):
     x = jnp.asarray(rng.standard_normal((1, 3, 256)), jnp.float32)
     cos, sin = layers.rope_cos_sin(jnp.arange(3)[None], cfg, jnp.float32)
     got = mla.project(x, cos, sin)
-    want = (*mla.queries(x, cos, sin), *mla.latents(x, cos, sin))
-    for g, w_ in zip(got, want, strict=True):
+    for g, w_ in zip(got, (*mla.queries(x, cos, sin), *mla.latents(x, cos, sin)), strict=True):
         np.testing.assert_array_equal(np.asarray(g), np.asarray(w_))
+    # the HF computation with q_a_proj and kv_a_proj_with_mqa as separate linears (rows 0:128 and 128:320 of
+    # the fused weight, block rows 0:1 and 1:3 of its scales)
+    q_a, kv_a = (layers.Linear(256, n, quant="fp8", dtype=jnp.float32, rngs=nnx.Rngs(0)) for n in (128, 192))
+    fused = mla.qkv_a_proj
+    q_a.weight[...], q_a.weight_scale_inv[...] = fused.weight[...][:128], fused.weight_scale_inv[...][:1]
+    kv_a.weight[...], kv_a.weight_scale_inv[...] = fused.weight[...][128:], fused.weight_scale_inv[...][1:]
+    q = mla.q_b_proj(mla.q_a_layernorm(q_a(x))).reshape(1, 3, 2, 192)
+    ckv = kv_a(x)
+    want = (q[..., :128], layers.apply_rope(q[..., 128:], cos[..., None, :], sin[..., None, :], cfg.rope_interleave),
+            mla.kv_a_layernorm(ckv[..., :128]), layers.apply_rope(ckv[..., 128:], cos, sin, cfg.rope_interleave))
+    for g, w_ in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w_), rtol=1e-6, atol=1e-6)
     # q_a and kv_a are one einsum (then q_b), from one quantization of x
     calls = _calls(lambda v: mla.project(v, cos, sin), x)
     assert calls["fp8_einsum"] == 2 and calls["quantize_fp8_groups"] == 2, calls
@@ -527,6 +538,28 @@ def test_moe_quantizes_its_tokens_once(rng):
     assert sum("silu_mul=true" in q.replace(" ", "") for q in quantizers) == 2, quantizers
     y = np.asarray(jax.jit(fn)(state, x), np.float32)
     assert y.shape == (1, 5, 256) and np.isfinite(y).all() and np.abs(y).max() > 0
+
+
+def test_moe_takes_any_experts_module(rng):
+    """Any ``experts_fn`` module (benchmarks swap in Pallas experts) gets float rows unless it says
+    ``quantizes_input``."""
+    from jax_w4a8.models.deepseek import DeepseekConfig, QuantConfig
+
+    class Doubling(nnx.Module):
+        def __call__(self, x_sorted, group_sizes):
+            return 2 * x_sorted
+
+    cfg = DeepseekConfig.from_dict(dict(vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
+                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+                                        kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128,
+                                        qk_nope_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
+                                        topk_group=1, first_k_dense_replace=1, n_shared_experts=0))
+    m = layers.MoE(cfg, quant=QuantConfig.w4a8(), dtype=jnp.float32, rngs=nnx.Rngs(0))
+    m.experts = Doubling()
+    x = jnp.asarray(rng.standard_normal((1, 3, 256)), jnp.float32)
+    _, w = m.gate(x.reshape(3, 256))
+    np.testing.assert_allclose(np.asarray(m(x))[0], 2 * np.asarray(x)[0] * np.asarray(w).sum(-1, keepdims=True),
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_experts_bf16_output_and_w4_dims():

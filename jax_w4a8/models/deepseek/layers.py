@@ -16,8 +16,12 @@ product and the routed rows quantized after the gather took 20.
 
 Dtypes. Activations are ``dtype`` (bfloat16, or float32 for golden comparisons) between every module.
 float32 is used only *inside* RMSNorm statistics, RoPE angles, the attention softmax (and its logits), the
-router, SiLU(gate) * up, and the MoE combine; each of those rounds back to ``dtype`` once. float16 never
-appears. Every float32 ``einsum`` runs at ``Precision.HIGHEST`` (no TF32 on GPUs).
+router, SiLU(gate) * up, and the MoE combine; each of those rounds back to ``dtype`` once, except
+SiLU(gate) * up ahead of an FP8 or W4A8 down projection: ``ops.silu_mul_quantize_fp8_groups`` quantizes
+the float32 product to e4m3 directly (no bf16 rounding in between; until the thirty-seventh session's
+build it was rounded to ``dtype`` and then quantized, as transformers' and DeepSeek's reference code do:
+the codes can differ where the bf16 rounding crossed an e4m3 rounding boundary or moved a group's amax).
+float16 never appears. Every float32 ``einsum`` runs at ``Precision.HIGHEST`` (no TF32 on GPUs).
 
 Linear formats (``Linear.quant``):
 
@@ -284,7 +288,8 @@ def mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, scale: float):
 
 
 def silu_mul(gate, up, dtype):
-    """``silu(gate) * up`` in fp32, rounded once to ``dtype``. gate, up: [..., I]."""
+    """``silu(gate) * up`` in fp32, rounded once to ``dtype``. gate, up: [..., I]. (Ahead of an FP8 or W4A8
+    down projection the model calls ``ops.silu_mul_quantize_fp8_groups`` instead: module docstring.)"""
     return (jax.nn.silu(gate.astype(F32)) * up.astype(F32)).astype(dtype)
 
 
@@ -635,7 +640,7 @@ class MoE(nnx.Module):
         ids, weights = self.gate(xf)
         # W4A8 experts take their rows quantized: the N tokens once (the shared expert's quantizer call
         # too, merged by XLA), not their N * top_k gathered rows; under EP fp8 rows travel.
-        rows = self.experts.quantize_input(xf) if self.experts.quantizes_input else xf
+        rows = self.experts.quantize_input(xf) if getattr(self.experts, "quantizes_input", False) else xf
         if self.expert_parallel is None:
             y = moe.moe_apply(rows, ids, weights, self.experts, self.num_experts, out_dtype=F32)
         else:
@@ -673,7 +678,7 @@ class MLA(nnx.Module):
         dn, dr, dv, r = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
         lin = functools.partial(Linear, quant=quant.linear, dtype=dtype, ue8m0=quant.ue8m0, rngs=rngs)
         bias = cfg.attention_bias
-        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = nnx.data(None)
+        self.q_proj = self.q_a_layernorm = self.q_b_proj = nnx.data(None)
         self.qkv_a_proj = self.kv_a_proj_with_mqa = nnx.data(None)
         if cfg.q_lora_rank is None:
             self.q_proj = lin(d, h * (dn + dr))
