@@ -166,6 +166,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16", help="activation dtype")
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--check-finite", action="store_true", help="stop with an error on NaN/Inf logits")
+    p.add_argument("--attention", choices=["eager", "cudnn", "auto"], default=None,
+                   help="prefill attention: eager (default: float32 scores in memory, transformers' numerics), "
+                        "cudnn (cuDNN's fused flash attention, bf16 on a GPU) or auto (cudnn where possible)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
@@ -174,8 +177,11 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from tokenizers import Tokenizer
 
-    from jax_w4a8.models.deepseek import load_checkpoint
+    from jax_w4a8.models.deepseek import layers, load_checkpoint
     from jax_w4a8.models.deepseek.generate import generate
+
+    if args.attention is not None:
+        layers.ATTENTION_IMPL = args.attention
 
     embedded = args.checkpoint is None
     ckpt = DEFAULT_CHECKPOINT if embedded else args.checkpoint

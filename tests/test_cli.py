@@ -43,20 +43,24 @@ def test_help_names_the_options():
     r = subprocess.run([sys.executable, "-m", "jax_w4a8", "--help"], cwd=ROOT, env=_env(), capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0
-    for opt in ("--checkpoint", "--prompt", "--max-new-tokens", "--quantize", "--temperature", "--top-p"):
+    for opt in ("--checkpoint", "--prompt", "--max-new-tokens", "--quantize", "--temperature", "--top-p",
+                "--attention"):
         assert opt in r.stdout
 
 
-def test_checkpoint_dir_without_chat_template_fp8_sampling(tmp_path, capsys):
+def test_checkpoint_dir_without_chat_template_fp8_sampling(tmp_path, capsys, monkeypatch):
     """A checkpoint directory given with --checkpoint: no tokenizer_config.json (raw prompt + BOS from the
-    tokenizer's post-processor), FP8 quantization on load, sampling."""
+    tokenizer's post-processor), FP8 quantization on load, sampling, --attention auto (eager without a GPU)."""
+    from jax_w4a8.models.deepseek import layers
+    monkeypatch.setattr(layers, "ATTENTION_IMPL", layers.ATTENTION_IMPL)   # the CLI sets it: restored after
     ckpt = tmp_path / "ckpt"
     shutil.copytree(cli.DEFAULT_CHECKPOINT, ckpt)
     os.remove(ckpt / "tokenizer_config.json")
     rc = cli.main(["--checkpoint", str(ckpt), "--prompt", "Hello", "--quantize", "fp8", "--temperature", "0.8",
-                   "--top-p", "0.9", "--max-new-tokens", "5", "--seed", "3", "--check-finite"])
+                   "--top-p", "0.9", "--max-new-tokens", "5", "--seed", "3", "--check-finite", "--attention", "auto"])
     out = capsys.readouterr().out
     assert rc == 0, out
+    assert layers.ATTENTION_IMPL == "auto"
     assert "RANDOM" not in out and "chat template" not in out
     assert "experts FP8 blocks" in out
     assert re.search(r"decode: \d+ tokens", out)

@@ -270,6 +270,60 @@ def test_mla_attention_matches_numpy(rng):
     np.testing.assert_allclose(got, np.einsum("bhts,bshd->bthd", p, v), rtol=1e-5, atol=1e-5)
 
 
+def _mla_attention_case(rng, b=2, t=6, s=9, h=3, dn=16, dr=8, dv=16, dtype=jnp.float32):
+    qn, qp = rng.standard_normal((b, t, h, dn)), rng.standard_normal((b, t, h, dr))
+    kn, kp, v = rng.standard_normal((b, s, h, dn)), rng.standard_normal((b, s, dr)), rng.standard_normal((b, s, h, dv))
+    pad = rng.integers(0, 3, b)                                   # left padding, then causal over the last t keys
+    keys, queries = np.arange(s), np.arange(s - t, s)
+    mask = (keys[None, None] <= queries[None, :, None]) & (keys[None, None] >= pad[:, None, None])
+    return [jnp.asarray(a, dtype) for a in (qn, qp, kn, kp, v)], jnp.asarray(mask)
+
+
+def test_mla_attention_as_one_dot_product_attention(rng):
+    """The fused path's operands (q = [q_nope | q_pe], k_pe broadcast to heads, v zero-padded to the qk head
+    dim, mask per batch) through jax.nn.dot_product_attention's XLA reference equal the eager attention."""
+    args, mask = _mla_attention_case(rng)
+    eager = np.asarray(layers.mla_attention(*args, mask, 0.29, implementation="eager"))
+    fused = np.asarray(layers._sdpa(*args, mask, 0.29, "xla"))
+    assert fused.shape == eager.shape == (2, 6, 3, 16)
+    np.testing.assert_allclose(fused, eager, rtol=2e-5, atol=2e-5)
+    if not layers._cudnn_attention_possible(jnp.bfloat16):     # no GPU: "auto" is the eager attention
+        np.testing.assert_array_equal(np.asarray(layers.mla_attention(*args, mask, 0.29, implementation="auto")),
+                                      eager)
+    with pytest.raises(ValueError, match="implementation"):
+        layers.mla_attention(*args, mask, 0.29, implementation="flash")
+    # a prefill (S == T: left padding, then causal) with the causal promise the fused kernel uses
+    args, mask = _mla_attention_case(rng, t=9, s=9)
+    eager = np.asarray(layers.mla_attention(*args, mask, 0.29, implementation="eager", causal=True))
+    np.testing.assert_allclose(np.asarray(layers._sdpa(*args, mask, 0.29, "xla", causal=True)), eager,
+                               rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dims", [(128, 64, 128), (16, 8, 16)])
+def test_mla_attention_cudnn_matches_eager_on_gpu(rng, dims):
+    """cuDNN's fused attention (scores never in memory) against the eager one, bf16, MLA's head dims
+    (qk 192, v 128) and a tiny model's, left padding and causal masks."""
+    dn, dr, dv = dims
+    gpu = jax.devices("gpu")[0]
+    args, mask = _mla_attention_case(rng, b=2, t=256, s=384, h=4, dn=dn, dr=dr, dv=dv, dtype=jnp.bfloat16)
+    args, mask = jax.device_put((args, mask), gpu)
+    eager = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="eager"))(*args, mask)
+    fused = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="cudnn"))(*args, mask)
+    square, sq_mask = jax.device_put(_mla_attention_case(rng, b=2, t=256, s=256, h=4, dn=dn, dr=dr, dv=dv,
+                                                          dtype=jnp.bfloat16), gpu)
+    sq_eager = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="eager"))(*square, sq_mask)
+    sq_fused = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="cudnn", causal=True))(*square, sq_mask)
+    sq_e, sq_f = np.asarray(sq_eager, np.float32), np.asarray(sq_fused, np.float32)
+    assert np.isfinite(sq_f).all() and rel(f64(sq_f), f64(sq_e)) < 1e-2, rel(f64(sq_f), f64(sq_e))
+    auto = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="auto"))(*args, mask)
+    text = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="auto")).lower(*args, mask).as_text()
+    assert "cudnn" in text.lower() or "custom_call" in text, "auto did not take cuDNN's fused attention"
+    e, f = np.asarray(eager, np.float32), np.asarray(fused, np.float32)
+    assert np.isfinite(f).all() and rel(f64(f), f64(e)) < 1e-2, rel(f64(f), f64(e))
+    np.testing.assert_array_equal(np.asarray(auto, np.float32), f)
+
+
 @pytest.mark.parametrize("latent", [False, True])
 def test_attention_in_query_blocks_is_the_same(rng, monkeypatch, latent):
     """Long prompts attend in query blocks (bounded score memory): forced here to blocks of 2 and 3 queries of

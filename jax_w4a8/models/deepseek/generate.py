@@ -256,7 +256,7 @@ def forward_cached(model: DeepseekV3ForCausalLM, input_ids, cache: MLACache, abs
         kv = jax.lax.dynamic_update_slice(cache.kv[i], entry, (jnp.int32(0), start, jnp.int32(0)))
         new_kv.append(kv)
         if prefill:
-            a = attn.attend(q_nope, q_pe, c_kv, k_pe, mask)
+            a = attn.attend(q_nope, q_pe, c_kv, k_pe, mask, causal=True)   # left padding, then causal
         else:
             a = attn.attend_absorbed(q_nope, q_pe, kv[..., :r], kv[..., r:], mask,
                                      None if absorbed is None else absorbed[i])

@@ -219,7 +219,50 @@ def _over_query_blocks(fn, queries, mask, heads: int):
     return jnp.moveaxis(out, 0, 1).reshape(b, nb * block, *out.shape[3:])[:, :t]
 
 
-def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float):
+# How MLA's expanded (prefill) attention runs: "eager" (below: transformers' eager numerics, float32 scores in
+# memory, query blocks), "cudnn" (cuDNN's fused flash attention through jax.nn.dot_product_attention: scores
+# never in memory; bf16 / fp16 only) or "auto" (cudnn where the computation is lowered for CUDA on a GPU
+# that cuDNN's flash attention supports and the activations are bf16 / fp16, eager otherwise).
+ATTENTION_IMPLS = ("eager", "cudnn", "auto")
+ATTENTION_IMPL = "eager"
+
+
+def _sdpa_operands(q_nope, q_pe, k_nope, k_pe, v, mask):
+    """MLA's attention as one ``jax.nn.dot_product_attention``: q = [q_nope | q_pe], k = [k_nope | k_pe]
+    (k_pe broadcast to every head), v zero-padded to the qk head dim (the API wants one head dim), mask
+    [B, 1, T, S]. Returns (q, k, v, mask); the output's first dv channels are the attention's."""
+    b, s, h, _ = k_nope.shape
+    q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, s, h, k_pe.shape[-1])).astype(k_nope.dtype)],
+                        axis=-1)
+    pad = q.shape[-1] - v.shape[-1]
+    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, pad)]) if pad > 0 else v
+    return q, k, vp, mask[:, None]
+
+
+def _sdpa(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, implementation: str, causal: bool = False):
+    """:func:`mla_attention` through ``jax.nn.dot_product_attention(implementation=...)`` ("cudnn", or
+    "xla" for its reference): v.dtype [B, T, H, dv]."""
+    q, k, vp, m = _sdpa_operands(q_nope, q_pe, k_nope, k_pe, v, mask)
+    out = jax.nn.dot_product_attention(q.astype(v.dtype), k.astype(v.dtype), vp, mask=m, scale=scale,
+                                       is_causal=causal, implementation=implementation)
+    return out[..., :v.shape[-1]]
+
+
+def _cudnn_attention_possible(dtype) -> bool:
+    """Whether "auto" may choose cuDNN: bf16 / fp16 activations and a CUDA backend with a GPU of
+    compute capability >= 8.0 (each lowering still picks eager for other platforms)."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return False
+    try:
+        gpu = jax.devices("gpu")[0]
+    except RuntimeError:
+        return False
+    return tuple(int(v) for v in str(getattr(gpu, "compute_capability", "0.0")).split(".")) >= (8, 0)
+
+
+def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, *, implementation: str | None = None,
+                  causal: bool = False):
     """Multi-head attention over expanded MLA keys (transformers' eager path, not absorbed).
 
     ``score = (q_nope . k_nope + q_pe . k_pe) * scale`` in fp32 (``k_pe`` is one head shared by all
@@ -229,9 +272,29 @@ def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float):
     Args:
       q_nope: [B, T, H, dn]; q_pe: [B, T, H, dr] (roped); k_nope: [B, S, H, dn]; k_pe: [B, S, dr] (roped);
       v: [B, S, H, dv]; mask: bool [B, T, S], True where query t may attend key s.
+      implementation: ``"eager"``, ``"cudnn"`` or ``"auto"`` (:data:`ATTENTION_IMPLS`); None: the module's
+        ``ATTENTION_IMPL``. cuDNN's fused kernel keeps the scores on chip (one head dim for q, k and v: v is
+        zero-padded to dn + dr) and rounds the probabilities to ``v.dtype`` as this function does; its
+        softmax runs in float32 blocks, so results differ from eager by rounding, not by the math.
+      causal: a promise that ``mask`` allows no key after its query (S == T, key s <= query t, as in a
+        prefill): cuDNN then skips the blocks above the diagonal. The eager attention needs only ``mask``.
     Returns:
       v.dtype [B, T, H, dv].
     """
+    impl = ATTENTION_IMPL if implementation is None else implementation
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"mla_attention: implementation must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    causal = causal and q_nope.shape[1] == k_nope.shape[1]
+    if impl == "cudnn":
+        return _sdpa(q_nope, q_pe, k_nope, k_pe, v, mask, scale, "cudnn", causal)
+    if impl == "auto" and _cudnn_attention_possible(v.dtype):
+        args = (q_nope, q_pe, k_nope, k_pe, v, mask)
+        try:
+            return jax.lax.platform_dependent(
+                *args, cuda=lambda *a: _sdpa(*a, scale, "cudnn", causal),
+                default=lambda *a: mla_attention(*a, scale, implementation="eager"))
+        except (NotImplementedError, RuntimeError, ValueError):   # cuDNN refused these shapes at trace time
+            pass
     prec = _precision(v.dtype)
 
     def block(qn, qp, m):
@@ -727,13 +790,14 @@ class MLA(nnx.Module):
         """x [B, T, D]; cos, sin [B, T, dr/2] -> (c_kv [B, T, R] normed, k_pe [B, T, dr] roped)."""
         return self._latents(self._first_projections(x)[1], cos, sin)
 
-    def attend(self, q_nope, q_pe, c_kv, k_pe, mask):
-        """Attention of T queries over S latents; returns ``o_proj`` output [B, T, D]."""
+    def attend(self, q_nope, q_pe, c_kv, k_pe, mask, causal: bool = False):
+        """Attention of T queries over S latents; returns ``o_proj`` output [B, T, D]. ``causal``: the mask
+        is within the causal one (:func:`mla_attention`)."""
         c = self.cfg
         b, s = c_kv.shape[:2]
         kv = self.kv_b_proj(c_kv).reshape(b, s, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
-        o = mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, c.softmax_scale)
+        o = mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, c.softmax_scale, causal=causal)
         return self.o_proj(o.reshape(*o.shape[:2], -1))
 
     # -- absorbed form (decoding over a latent cache) -----------------------------------------
@@ -801,9 +865,9 @@ class MLA(nnx.Module):
             o = _einsum_f32("bthr,hdr->bthd", o_lat, a["w_v"].astype(dtype), dtype).astype(dtype)
         return self.o_proj(o.reshape(b, t, h * c.v_head_dim))
 
-    def __call__(self, x, cos, sin, mask):
+    def __call__(self, x, cos, sin, mask, causal: bool = False):
         """x [B, T, D] (normed), cos/sin [B, T, dr/2], mask bool [B, T, T] -> [B, T, D]."""
-        return self.attend(*self.project(x, cos, sin), mask)
+        return self.attend(*self.project(x, cos, sin), mask, causal)
 
 
 class DecoderLayer(nnx.Module):
@@ -822,6 +886,6 @@ class DecoderLayer(nnx.Module):
         else:
             self.mlp = MLP(d, cfg.intermediate_size, quant=quant.linear, dtype=dtype, ue8m0=quant.ue8m0, rngs=rngs)
 
-    def __call__(self, h, cos, sin, mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
+    def __call__(self, h, cos, sin, mask, causal: bool = False):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, causal)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -34,10 +34,11 @@ __all__ = ["DeepseekV3Model", "DeepseekV3ForCausalLM", "decoder_layer", "forward
            "causal_mask", "default_positions"]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def decoder_layer(graphdef, state, h, cos, sin, mask):
-    """One decoder layer as a pure function: ``h [B, T, D] -> [B, T, D]`` (same dtype)."""
-    return nnx.merge(graphdef, state)(h, cos, sin, mask)
+@functools.partial(jax.jit, static_argnums=0, static_argnames="causal")
+def decoder_layer(graphdef, state, h, cos, sin, mask, causal: bool = False):
+    """One decoder layer as a pure function: ``h [B, T, D] -> [B, T, D]`` (same dtype). ``causal``: the mask
+    is the causal one of default positions (lets a fused attention skip the blocks above the diagonal)."""
+    return nnx.merge(graphdef, state)(h, cos, sin, mask, causal)
 
 
 def default_positions(input_ids):
@@ -66,6 +67,7 @@ class DeepseekV3Model(nnx.Module):
         self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
     def __call__(self, input_ids, positions=None, *, return_hidden_states: bool = False):
+        causal = positions is None           # default positions: the mask is exactly causal
         if positions is None:
             positions = default_positions(input_ids)
         positions = positions.astype(jnp.int32)
@@ -75,7 +77,7 @@ class DeepseekV3Model(nnx.Module):
         hidden = [h] if return_hidden_states else None
         for layer in self.layers:
             graphdef, state = nnx.split(layer)
-            h = decoder_layer(graphdef, state, h, cos, sin, mask)
+            h = decoder_layer(graphdef, state, h, cos, sin, mask, causal=causal)
             if hidden is not None:
                 hidden.append(h)
         return self.norm(h), hidden
