@@ -390,6 +390,15 @@ def test_linear_dense_and_bias(rng):
     np.testing.assert_allclose(np.asarray(lin(jnp.asarray(x))), ref, rtol=1e-5, atol=1e-5)
 
 
+def _small_config(**overrides):
+    """A DeepSeek-V3-shaped config whose contracted dims are multiples of 128 (the ops' FP8 / W4A8 paths)."""
+    return DeepseekConfig.from_dict(dict(dict(
+        vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+        first_k_dense_replace=1), **overrides))
+
+
 def _calls(fn, *args):
     """Custom-call targets of ``fn``'s lowered program, counted (``jax_w4a8_`` prefix dropped)."""
     import collections
@@ -455,12 +464,8 @@ def test_mlp_fp8_matches_float64_and_fuses_the_activation(rng, inter, ue8m0):
 
 
 def test_mla_project_is_queries_and_latents_from_one_product(rng):
-    from jax_w4a8.models.deepseek import DeepseekConfig, QuantConfig
-    cfg = DeepseekConfig.from_dict(dict(vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
-                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                        kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128,
-                                        qk_nope_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                        topk_group=1, first_k_dense_replace=1))
+    from jax_w4a8.models.deepseek import QuantConfig
+    cfg = _small_config(num_hidden_layers=1, n_routed_experts=4)
     mla = layers.MLA(cfg, quant=QuantConfig(linear="fp8"), dtype=jnp.float32, rngs=nnx.Rngs(1))
     assert mla.qkv_a_proj.parts == (("q_a_proj", 128), ("kv_a_proj_with_mqa", 192))
     x = jnp.asarray(rng.standard_normal((1, 3, 256)), jnp.float32)
@@ -575,12 +580,8 @@ def test_w4a8_experts_take_rows_quantized_before_the_gather(rng, ue8m0):
 def test_moe_quantizes_its_tokens_once(rng):
     """A W4A8 MoE layer with an FP8 shared expert: one quantizer call for the tokens (routed and shared),
     one fused silu-mul quantizer each for the routed and the shared down projection; no bf16 SiLU product."""
-    from jax_w4a8.models.deepseek import DeepseekConfig, QuantConfig
-    cfg = DeepseekConfig.from_dict(dict(vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                        kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128,
-                                        qk_nope_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
-                                        topk_group=1, first_k_dense_replace=1))
+    from jax_w4a8.models.deepseek import QuantConfig
+    cfg = _small_config(num_hidden_layers=2, n_routed_experts=8)
     moe_layer = layers.MoE(cfg, quant=QuantConfig.w4a8(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(moe_layer)
     x = jnp.asarray(rng.standard_normal((1, 5, 256)), jnp.bfloat16)
@@ -597,17 +598,13 @@ def test_moe_quantizes_its_tokens_once(rng):
 def test_moe_takes_any_experts_module(rng):
     """Any ``experts_fn`` module (benchmarks swap in Pallas experts) gets float rows unless it says
     ``quantizes_input``."""
-    from jax_w4a8.models.deepseek import DeepseekConfig, QuantConfig
+    from jax_w4a8.models.deepseek import QuantConfig
 
     class Doubling(nnx.Module):
         def __call__(self, x_sorted, group_sizes):
             return 2 * x_sorted
 
-    cfg = DeepseekConfig.from_dict(dict(vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                        kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128,
-                                        qk_nope_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, n_group=1,
-                                        topk_group=1, first_k_dense_replace=1, n_shared_experts=0))
+    cfg = _small_config(num_hidden_layers=2, n_routed_experts=8, n_shared_experts=0)
     m = layers.MoE(cfg, quant=QuantConfig.w4a8(), dtype=jnp.float32, rngs=nnx.Rngs(0))
     m.experts = Doubling()
     x = jnp.asarray(rng.standard_normal((1, 3, 256)), jnp.float32)
@@ -667,12 +664,8 @@ def test_linear_ue8m0_passes_codes_without_host_check():
 
 def test_absorbed_decode_ue8m0_passes_codes():
     """The absorbed MLA decode products take UE8M0 codes too: no host-checking pack_ue8m0 per step."""
-    from jax_w4a8.models.deepseek import DeepseekConfig, QuantConfig
-    cfg = DeepseekConfig.from_dict(dict(vocab_size=64, hidden_size=256, intermediate_size=256, moe_intermediate_size=128,
-                                        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                        kv_lora_rank=128, q_lora_rank=128, qk_rope_head_dim=64, v_head_dim=128,
-                                        qk_nope_head_dim=128, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
-                                        topk_group=1, first_k_dense_replace=1))
+    from jax_w4a8.models.deepseek import QuantConfig
+    cfg = _small_config(num_hidden_layers=1, n_routed_experts=4)
     mla = layers.MLA(cfg, quant=QuantConfig(linear="fp8", ue8m0=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(mla)
     q_nope = jnp.ones((1, 1, 2, 128), jnp.bfloat16)
