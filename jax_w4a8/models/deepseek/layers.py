@@ -227,24 +227,23 @@ ATTENTION_IMPLS = ("eager", "cudnn", "auto")
 ATTENTION_IMPL = "eager"
 
 
-def _sdpa_operands(q_nope, q_pe, k_nope, k_pe, v, mask):
-    """MLA's attention as one ``jax.nn.dot_product_attention``: q = [q_nope | q_pe], k = [k_nope | k_pe]
-    (k_pe broadcast to every head), v zero-padded to the qk head dim (the API wants one head dim), mask
-    [B, 1, T, S]. Returns (q, k, v, mask); the output's first dv channels are the attention's."""
+def _mla_qk(q_nope, q_pe, k_nope, k_pe):
+    """MLA's queries and keys over [nope | rope] channels, as transformers concatenates them:
+    q [B, T, H, dn + dr], k [B, S, H, dn + dr] (``k_pe`` [B, S, dr] is one head, broadcast to all)."""
     b, s, h, _ = k_nope.shape
     q = jnp.concatenate([q_nope, q_pe.astype(q_nope.dtype)], axis=-1)
-    k = jnp.concatenate([k_nope, jnp.broadcast_to(k_pe[:, :, None, :], (b, s, h, k_pe.shape[-1])).astype(k_nope.dtype)],
-                        axis=-1)
-    pad = q.shape[-1] - v.shape[-1]
-    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, pad)]) if pad > 0 else v
-    return q, k, vp, mask[:, None]
+    k_rope = jnp.broadcast_to(k_pe[:, :, None, :], (b, s, h, k_pe.shape[-1])).astype(k_nope.dtype)
+    return q, jnp.concatenate([k_nope, k_rope], axis=-1)
 
 
 def _sdpa(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, implementation: str, causal: bool = False):
     """:func:`mla_attention` through ``jax.nn.dot_product_attention(implementation=...)`` ("cudnn", or
-    "xla" for its reference): v.dtype [B, T, H, dv]."""
-    q, k, vp, m = _sdpa_operands(q_nope, q_pe, k_nope, k_pe, v, mask)
-    out = jax.nn.dot_product_attention(q.astype(v.dtype), k.astype(v.dtype), vp, mask=m, scale=scale,
+    "xla" for its reference): v.dtype [B, T, H, dv]. That API takes one head dim for q, k and v: v is
+    zero-padded to dn + dr and the output cut back to dv; the mask goes in as [B, 1, T, S]."""
+    q, k = _mla_qk(q_nope, q_pe, k_nope, k_pe)
+    pad = q.shape[-1] - v.shape[-1]
+    vp = jnp.pad(v, [(0, 0)] * 3 + [(0, pad)]) if pad > 0 else v
+    out = jax.nn.dot_product_attention(q.astype(v.dtype), k.astype(v.dtype), vp, mask=mask[:, None], scale=scale,
                                        is_causal=causal, implementation=implementation)
     return out[..., :v.shape[-1]]
 
@@ -296,15 +295,17 @@ def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, *, implemen
         except (NotImplementedError, RuntimeError, ValueError):   # cuDNN refused these shapes at trace time
             pass
     prec = _precision(v.dtype)
+    # One product over [nope | rope] channels (k_pe broadcast to the heads), as transformers concatenates
+    # them: the float32 scores are written once, not written by one product and rewritten by a second.
+    q, k = _mla_qk(q_nope, q_pe, k_nope, k_pe)
 
-    def block(qn, qp, m):
-        s = jnp.einsum("bthd,bshd->bhts", qn, k_nope, preferred_element_type=F32, precision=prec)
-        s = s + jnp.einsum("bthr,bsr->bhts", qp, k_pe, preferred_element_type=F32, precision=prec)
+    def block(qb, m):
+        s = jnp.einsum("bthd,bshd->bhts", qb, k, preferred_element_type=F32, precision=prec)
         s = jnp.where(m[:, None], s * scale, jnp.finfo(F32).min)
         p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
         return jnp.einsum("bhts,bshd->bthd", p, v, preferred_element_type=F32, precision=prec).astype(v.dtype)
 
-    return _over_query_blocks(block, (q_nope, q_pe), mask, q_nope.shape[2])
+    return _over_query_blocks(block, (q,), mask, q_nope.shape[2])
 
 
 def _einsum_f32(equation, a, b, dtype):
