@@ -339,16 +339,20 @@ def mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, scale: float):
       q_lat.dtype [B, T, H, R].
     """
     dtype = q_lat.dtype
-    c_kv, k_pe = c_kv.astype(dtype), k_pe.astype(dtype)
+    r = q_lat.shape[-1]
+    # One product over the [latent | rope] channels of each key: the cache's own layout (generate passes its
+    # two slices; XLA folds their concatenation back into the cache), so neither product reads a slice.
+    kv = jnp.concatenate([c_kv, k_pe], axis=-1).astype(dtype)
+    q = jnp.concatenate([q_lat, q_pe.astype(dtype)], axis=-1)
 
-    def block(ql, qp, m):
-        s = _einsum_f32("bthr,bsr->bhts", ql, c_kv, dtype) + _einsum_f32("bthr,bsr->bhts", qp.astype(dtype), k_pe,
-                                                                         dtype)
+    def block(qb, m):
+        s = _einsum_f32("bthr,bsr->bhts", qb, kv, dtype)
         s = jnp.where(m[:, None], s * scale, jnp.finfo(F32).min)
         p = jax.nn.softmax(s, axis=-1).astype(dtype)
-        return jnp.swapaxes(_einsum_f32("bhts,bsr->bhtr", p, c_kv, dtype).astype(dtype), 1, 2)
+        o = _einsum_f32("bhts,bsr->bhtr", p, kv, dtype)[..., :r]   # the rope channels' sums are dropped
+        return jnp.swapaxes(o.astype(dtype), 1, 2)
 
-    return _over_query_blocks(block, (q_lat, q_pe), mask, q_lat.shape[2])
+    return _over_query_blocks(block, (q,), mask, q_lat.shape[2])
 
 
 def silu_mul(gate, up, dtype):
