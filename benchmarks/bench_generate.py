@@ -354,7 +354,7 @@ def run_variant(name, model, cfg, args, rows):
 
     from jax_w4a8.models.deepseek.generate import Generator
 
-    gen = Generator(model)
+    gen = Generator(model.set_attention(args.attention))
     for t in args.prefill:
         try:
             s, first, trace = bench_prefill(gen, cfg, t, args.prefill_reps, args.trace_prefill)
@@ -465,8 +465,8 @@ def main(argv=None):
                    help="with --trace-steps / --trace-prefill: let XLA run its command buffers op by op while "
                         "profiling (its default)")
     p.add_argument("--variants", nargs="*", default=["w4a8", "bf16_ragged_dot", "bf16_pallas"])
-    p.add_argument("--attention", choices=("eager", "cudnn", "auto"), default=None,
-                   help="prefill attention (layers.ATTENTION_IMPL; default: the library's, eager)")
+    p.add_argument("--attention", choices=("eager", "cudnn", "auto"), default="eager",
+                   help="prefill attention of every variant (DeepseekV3ForCausalLM.set_attention; default eager)")
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="split the routed experts over the first N devices (weights made sharded; w4a8 only)")
@@ -484,11 +484,9 @@ def main(argv=None):
     import jax.numpy as jnp
     from flax import nnx
 
-    from jax_w4a8.models.deepseek import QuantConfig, layers
+    from jax_w4a8.models.deepseek import QuantConfig
 
-    if args.attention is not None:
-        layers.ATTENTION_IMPL = args.attention
-    print(f"prefill attention: {layers.ATTENTION_IMPL}", flush=True)
+    print(f"prefill attention: {args.attention}", flush=True)
     if args.tiny:
         args.layers = min(args.layers, 2)
         args.prefill = [16, 64][:len(args.prefill)]

@@ -177,11 +177,8 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from tokenizers import Tokenizer
 
-    from jax_w4a8.models.deepseek import layers, load_checkpoint
+    from jax_w4a8.models.deepseek import load_checkpoint
     from jax_w4a8.models.deepseek.generate import generate
-
-    if args.attention is not None:
-        layers.ATTENTION_IMPL = args.attention
 
     embedded = args.checkpoint is None
     ckpt = DEFAULT_CHECKPOINT if embedded else args.checkpoint
@@ -225,7 +222,14 @@ def main(argv=None) -> int:
         warnings.simplefilter("ignore", DeprecationWarning)
         model = load_checkpoint(ckpt, quantize=None if quantize == "none" else quantize,
                                 dtype=jnp.dtype(args.dtype), progress=True)
-    print(f"loaded {ckpt} in {time.perf_counter() - t0:.1f} s: {_describe(model)}")
+    if args.attention is not None:
+        try:
+            model.set_attention(args.attention)
+        except ValueError as e:
+            print(f"error: --attention: {e}", file=sys.stderr)
+            return 2
+    print(f"loaded {ckpt} in {time.perf_counter() - t0:.1f} s: {_describe(model)}; "
+          f"prefill attention {model.model.layers[0].self_attn.attention}")
     eos = _eos_ids(ckpt, tokenizer, tok_cfg, model.cfg)
     bad = [i for i in ids if i >= model.cfg.vocab_size]
     if bad:

@@ -270,10 +270,10 @@ def test_mla_attention_matches_numpy(rng):
     np.testing.assert_allclose(got, np.einsum("bhts,bshd->bthd", p, v), rtol=1e-5, atol=1e-5)
 
 
-def _mla_attention_case(rng, b=2, t=6, s=9, h=3, dn=16, dr=8, dv=16, dtype=jnp.float32):
+def _mla_attention_case(rng, b=2, t=6, s=9, h=3, dn=16, dr=8, dv=16, dtype=jnp.float32, pad=None):
     qn, qp = rng.standard_normal((b, t, h, dn)), rng.standard_normal((b, t, h, dr))
     kn, kp, v = rng.standard_normal((b, s, h, dn)), rng.standard_normal((b, s, dr)), rng.standard_normal((b, s, h, dv))
-    pad = rng.integers(0, 3, b)                                   # left padding, then causal over the last t keys
+    pad = rng.integers(0, 3, b) if pad is None else np.asarray(pad)  # left padding, then causal over the last t keys
     keys, queries = np.arange(s), np.arange(s - t, s)
     mask = (keys[None, None] <= queries[None, :, None]) & (keys[None, None] >= pad[:, None, None])
     return [jnp.asarray(a, dtype) for a in (qn, qp, kn, kp, v)], jnp.asarray(mask)
@@ -281,7 +281,8 @@ def _mla_attention_case(rng, b=2, t=6, s=9, h=3, dn=16, dr=8, dv=16, dtype=jnp.f
 
 def test_mla_attention_as_one_dot_product_attention(rng):
     """The fused path's operands (q = [q_nope | q_pe], k_pe broadcast to heads, v zero-padded to the qk head
-    dim, mask per batch) through jax.nn.dot_product_attention's XLA reference equal the eager attention."""
+    dim, mask per batch) through jax.nn.dot_product_attention's XLA reference equal the eager attention;
+    queries whose mask allows no key (pad slots) come out as zeros."""
     args, mask = _mla_attention_case(rng)
     eager = np.asarray(layers.mla_attention(*args, mask, 0.29, implementation="eager"))
     fused = np.asarray(layers._sdpa(*args, mask, 0.29, "xla"))
@@ -292,36 +293,43 @@ def test_mla_attention_as_one_dot_product_attention(rng):
                                       eager)
     with pytest.raises(ValueError, match="implementation"):
         layers.mla_attention(*args, mask, 0.29, implementation="flash")
+    with pytest.raises(ValueError, match="bf16"):
+        layers.mla_attention(*args, mask, 0.29, implementation="cudnn")     # float32 activations
     # a prefill (S == T: left padding, then causal) with the causal promise the fused kernel uses
-    args, mask = _mla_attention_case(rng, t=9, s=9)
+    args, mask = _mla_attention_case(rng, t=9, s=9, pad=(2, 0))
     eager = np.asarray(layers.mla_attention(*args, mask, 0.29, implementation="eager", causal=True))
-    np.testing.assert_allclose(np.asarray(layers._sdpa(*args, mask, 0.29, "xla", causal=True)), eager,
-                               rtol=2e-5, atol=2e-5)
+    fused = np.asarray(layers._sdpa(*args, mask, 0.29, "xla", causal=True))
+    real = np.asarray(mask).any(-1)                                  # query rows that attend something
+    assert not real.all() and not fused[~real].any()
+    np.testing.assert_allclose(fused[real], eager[real], rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dims", [(128, 64, 128), (16, 8, 16)])
 def test_mla_attention_cudnn_matches_eager_on_gpu(rng, dims):
     """cuDNN's fused attention (scores never in memory) against the eager one, bf16, MLA's head dims
-    (qk 192, v 128) and a tiny model's, left padding and causal masks."""
+    (qk 192, v 128) and a tiny model's: left padding, then a window of queries (T < S) or a prefill (T == S,
+    causal: cuDNN skips the blocks above the diagonal; pad queries come out as zeros)."""
     dn, dr, dv = dims
     gpu = jax.devices("gpu")[0]
-    args, mask = _mla_attention_case(rng, b=2, t=256, s=384, h=4, dn=dn, dr=dr, dv=dv, dtype=jnp.bfloat16)
-    args, mask = jax.device_put((args, mask), gpu)
-    eager = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="eager"))(*args, mask)
-    fused = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="cudnn"))(*args, mask)
-    square, sq_mask = jax.device_put(_mla_attention_case(rng, b=2, t=256, s=256, h=4, dn=dn, dr=dr, dv=dv,
-                                                          dtype=jnp.bfloat16), gpu)
-    sq_eager = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="eager"))(*square, sq_mask)
-    sq_fused = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="cudnn", causal=True))(*square, sq_mask)
-    sq_e, sq_f = np.asarray(sq_eager, np.float32), np.asarray(sq_fused, np.float32)
-    assert np.isfinite(sq_f).all() and rel(f64(sq_f), f64(sq_e)) < 1e-2, rel(f64(sq_f), f64(sq_e))
-    auto = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="auto"))(*args, mask)
-    text = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="auto")).lower(*args, mask).as_text()
-    assert "cudnn" in text.lower() or "custom_call" in text, "auto did not take cuDNN's fused attention"
-    e, f = np.asarray(eager, np.float32), np.asarray(fused, np.float32)
-    assert np.isfinite(f).all() and rel(f64(f), f64(e)) < 1e-2, rel(f64(f), f64(e))
-    np.testing.assert_array_equal(np.asarray(auto, np.float32), f)
+
+    def both(t, s, causal, impl="cudnn"):
+        args, mask = jax.device_put(_mla_attention_case(rng, b=2, t=t, s=s, h=4, dn=dn, dr=dr, dv=dv,
+                                                        dtype=jnp.bfloat16, pad=(5, 0)), gpu)
+        eager = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation="eager"))(*args, mask)
+        fn = jax.jit(lambda *a: layers.mla_attention(*a, 0.1, implementation=impl, causal=causal))
+        real = np.asarray(mask).any(-1)
+        return (np.asarray(fn(*args, mask), np.float32), np.asarray(eager, np.float32), real,
+                fn.lower(*args, mask).as_text())
+
+    for t, s, causal in ((256, 384, False), (256, 256, True)):
+        f, e, real, text = both(t, s, causal)
+        assert "__cudnn$fmha" in text, "no cuDNN fused attention in the lowered program"
+        assert np.isfinite(f).all() and not f[~real].any()
+        assert rel(f64(f[real]), f64(e[real])) < 1e-2, (t, s, rel(f64(f[real]), f64(e[real])))
+    auto, _, _, text = both(256, 256, True, "auto")
+    assert "__cudnn$fmha" in text, "auto did not take cuDNN's fused attention on this GPU"
+    np.testing.assert_array_equal(auto, both(256, 256, True)[0])
 
 
 @pytest.mark.parametrize("latent", [False, True])

@@ -205,6 +205,41 @@ def test_positions_reach_rope():
     assert np.abs(stretched - base).max() > 1e-2 * np.abs(base).max()
 
 
+def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch):
+    """``set_attention`` is a static part of the model: each layer's expanded attention gets it (a jitted forward
+    retraces), with ``causal`` exactly when the mask is the causal one: default positions and generate's
+    prefill, not explicit positions; decode steps use the latent attention."""
+    from jax_w4a8.models.deepseek import generate
+    from jax_w4a8.models.deepseek.model import default_positions
+    jax.clear_caches()        # traces of the same model from other tests would skip the recorder
+    path, exp = golden("yarn_qlora")
+    model = load_checkpoint(path, progress=False)
+    seen = []
+    real = layers.mla_attention
+
+    def recorder(*a, implementation="eager", causal=False, **kw):
+        seen.append((implementation, causal))
+        return real(*a, implementation="eager", causal=causal, **kw)
+
+    monkeypatch.setattr(layers, "mla_attention", recorder)
+    ids = jnp.asarray(exp["input_ids"])
+    layers_n = model.cfg.num_hidden_layers
+    jit_forward(model)(ids)
+    assert seen == [("eager", True)] * layers_n
+    seen.clear()
+    assert model.set_attention("auto") is model
+    jit_forward(model)(ids, default_positions(ids) + 3)
+    assert seen == [("auto", False)] * layers_n
+    seen.clear()
+    generate(model, [[1, 2, 3], [4]], 3)
+    assert seen == [("auto", True)] * layers_n                      # prefill only: the decode steps are latent
+    with pytest.raises(ValueError, match="implementation"):
+        model.set_attention("flash")
+    f32_model = load_checkpoint(path, dtype=jnp.float32, progress=False)
+    with pytest.raises(ValueError, match="bf16"):
+        f32_model.set_attention("cudnn")
+
+
 # ----------------------------------------------------------------------------------------------
 # dtypes of a bf16 forward
 # ----------------------------------------------------------------------------------------------

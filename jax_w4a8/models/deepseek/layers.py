@@ -219,12 +219,12 @@ def _over_query_blocks(fn, queries, mask, heads: int):
     return jnp.moveaxis(out, 0, 1).reshape(b, nb * block, *out.shape[3:])[:, :t]
 
 
-# How MLA's expanded (prefill) attention runs: "eager" (below: transformers' eager numerics, float32 scores in
-# memory, query blocks), "cudnn" (cuDNN's fused flash attention through jax.nn.dot_product_attention: scores
-# never in memory; bf16 / fp16 only) or "auto" (cudnn where the computation is lowered for CUDA on a GPU
-# that cuDNN's flash attention supports and the activations are bf16 / fp16, eager otherwise).
+# How MLA's expanded (prefill) attention runs (``MLA.attention``, set by ``DeepseekV3ForCausalLM.set_attention``):
+# "eager" (below: transformers' eager numerics, float32 scores in memory, query blocks), "cudnn" (cuDNN's fused
+# flash attention through jax.nn.dot_product_attention: scores never in memory; bf16 / fp16 only) or "auto"
+# (cudnn where the computation is lowered for CUDA on a GPU that cuDNN's flash attention supports and the
+# activations are bf16 / fp16, eager otherwise).
 ATTENTION_IMPLS = ("eager", "cudnn", "auto")
-ATTENTION_IMPL = "eager"
 
 
 def _mla_qk(q_nope, q_pe, k_nope, k_pe):
@@ -244,8 +244,10 @@ def _sdpa(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, implementation: str
     pad = q.shape[-1] - v.shape[-1]
     vp = jnp.pad(v, [(0, 0)] * 3 + [(0, pad)]) if pad > 0 else v
     out = jax.nn.dot_product_attention(q.astype(v.dtype), k.astype(v.dtype), vp, mask=mask[:, None], scale=scale,
-                                       is_causal=causal, implementation=implementation)
-    return out[..., :v.shape[-1]]
+                                       is_causal=causal, implementation=implementation)[..., :v.shape[-1]]
+    # A query whose mask allows no key (a pad slot) gets zeros: with ``causal`` cuDNN would attend its
+    # diagonal key and eager every key uniformly, so neither is an answer to rely on.
+    return jnp.where(mask.any(-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
 def _cudnn_attention_possible(dtype) -> bool:
@@ -255,12 +257,12 @@ def _cudnn_attention_possible(dtype) -> bool:
         return False
     try:
         gpu = jax.devices("gpu")[0]
-    except RuntimeError:
+        return tuple(int(v) for v in str(getattr(gpu, "compute_capability", "0.0")).split(".")) >= (8, 0)
+    except (RuntimeError, ValueError):   # no GPU backend; a non-CUDA GPU ("gfx...")
         return False
-    return tuple(int(v) for v in str(getattr(gpu, "compute_capability", "0.0")).split(".")) >= (8, 0)
 
 
-def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, *, implementation: str | None = None,
+def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, *, implementation: str = "eager",
                   causal: bool = False):
     """Multi-head attention over expanded MLA keys (transformers' eager path, not absorbed).
 
@@ -271,20 +273,25 @@ def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, *, implemen
     Args:
       q_nope: [B, T, H, dn]; q_pe: [B, T, H, dr] (roped); k_nope: [B, S, H, dn]; k_pe: [B, S, dr] (roped);
       v: [B, S, H, dv]; mask: bool [B, T, S], True where query t may attend key s.
-      implementation: ``"eager"``, ``"cudnn"`` or ``"auto"`` (:data:`ATTENTION_IMPLS`); None: the module's
-        ``ATTENTION_IMPL``. cuDNN's fused kernel keeps the scores on chip (one head dim for q, k and v: v is
-        zero-padded to dn + dr) and rounds the probabilities to ``v.dtype`` as this function does; its
-        softmax runs in float32 blocks, so results differ from eager by rounding, not by the math.
+      implementation: ``"eager"``, ``"cudnn"`` or ``"auto"`` (:data:`ATTENTION_IMPLS`). cuDNN's fused kernel
+        keeps the scores on chip (one head dim for q, k and v: v is zero-padded to dn + dr) and rounds the
+        probabilities to ``v.dtype`` as this function does; its softmax runs in float32 blocks, so results
+        differ from eager by rounding, not by the math; a query whose mask allows no key (a pad slot) gets
+        zeros there (eager: the mean of v). bf16 / fp16 only. "auto" decides at trace time from this
+        process's GPU; an export lowered for several platforms needs "eager" or "cudnn".
       causal: a promise that ``mask`` allows no key after its query (S == T, key s <= query t, as in a
         prefill): cuDNN then skips the blocks above the diagonal. The eager attention needs only ``mask``.
     Returns:
       v.dtype [B, T, H, dv].
     """
-    impl = ATTENTION_IMPL if implementation is None else implementation
+    impl = implementation
     if impl not in ATTENTION_IMPLS:
         raise ValueError(f"mla_attention: implementation must be one of {ATTENTION_IMPLS}, got {impl!r}")
     causal = causal and q_nope.shape[1] == k_nope.shape[1]
     if impl == "cudnn":
+        if jnp.dtype(v.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError(f"mla_attention: implementation='cudnn' needs bf16 / fp16 activations, got {v.dtype}; "
+                             "use 'auto' (eager for float32) or 'eager'")
         return _sdpa(q_nope, q_pe, k_nope, k_pe, v, mask, scale, "cudnn", causal)
     if impl == "auto" and _cudnn_attention_possible(v.dtype):
         args = (q_nope, q_pe, k_nope, k_pe, v, mask)
@@ -758,6 +765,7 @@ class MLA(nnx.Module):
             self.q_b_proj = lin(cfg.q_lora_rank, h * (dn + dr))
         self.kv_a_layernorm = RMSNorm(r, eps=1e-6, dtype=dtype)
         self.kv_b_proj = lin(r, h * (dn + dv))
+        self.attention = "eager"    # the expanded attention's implementation (ATTENTION_IMPLS): static
         self.o_proj = lin(h * dv, d, use_bias=bias)
 
     def _first_projections(self, x):
@@ -802,7 +810,8 @@ class MLA(nnx.Module):
         b, s = c_kv.shape[:2]
         kv = self.kv_b_proj(c_kv).reshape(b, s, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
         k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
-        o = mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, c.softmax_scale, causal=causal)
+        o = mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, c.softmax_scale, implementation=self.attention,
+                          causal=causal)
         return self.o_proj(o.reshape(*o.shape[:2], -1))
 
     # -- absorbed form (decoding over a latent cache) -----------------------------------------

@@ -105,6 +105,23 @@ class DeepseekV3ForCausalLM(nnx.Module):
         self.lm_head = (None if cfg.tie_word_embeddings else
                         layers.Linear(cfg.hidden_size, cfg.vocab_size, quant="none", dtype=dtype, rngs=rngs))
 
+    def set_attention(self, implementation: str) -> DeepseekV3ForCausalLM:
+        """How prefill attention runs in every layer: ``"eager"`` (the default: transformers' numerics,
+        float32 scores in memory), ``"cudnn"`` (cuDNN's fused flash attention, bf16 models on a GPU) or
+        ``"auto"`` (cudnn where possible, else eager); see :func:`layers.mla_attention`. A static part of
+        the model (jitted functions retrace for it). Returns the model.
+
+        Raises: ValueError for another name, or "cudnn" on a float32 model."""
+        if implementation not in layers.ATTENTION_IMPLS:
+            raise ValueError(f"set_attention: implementation must be one of {layers.ATTENTION_IMPLS}, "
+                             f"got {implementation!r}")
+        if implementation == "cudnn" and self.dtype == jnp.float32:
+            raise ValueError("set_attention: 'cudnn' needs a bf16 model (cuDNN's fused attention has no float32); "
+                             "'auto' keeps eager attention for float32")
+        for layer in self.model.layers:
+            layer.self_attn.attention = implementation
+        return self
+
     def __call__(self, input_ids, positions=None, *, return_hidden_states: bool = False):
         h, hidden = self.model(input_ids, positions, return_hidden_states=return_hidden_states)
         logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
