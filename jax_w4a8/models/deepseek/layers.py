@@ -284,16 +284,15 @@ def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, *, implemen
     Returns:
       v.dtype [B, T, H, dv].
     """
-    impl = implementation
-    if impl not in ATTENTION_IMPLS:
-        raise ValueError(f"mla_attention: implementation must be one of {ATTENTION_IMPLS}, got {impl!r}")
+    if implementation not in ATTENTION_IMPLS:
+        raise ValueError(f"mla_attention: implementation must be one of {ATTENTION_IMPLS}, got {implementation!r}")
     causal = causal and q_nope.shape[1] == k_nope.shape[1]
-    if impl == "cudnn":
+    if implementation == "cudnn":
         if jnp.dtype(v.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"mla_attention: implementation='cudnn' needs bf16 / fp16 activations, got {v.dtype}; "
                              "use 'auto' (eager for float32) or 'eager'")
         return _sdpa(q_nope, q_pe, k_nope, k_pe, v, mask, scale, "cudnn", causal)
-    if impl == "auto" and _cudnn_attention_possible(v.dtype):
+    if implementation == "auto" and _cudnn_attention_possible(v.dtype):
         args = (q_nope, q_pe, k_nope, k_pe, v, mask)
         try:
             return jax.lax.platform_dependent(
