@@ -137,8 +137,9 @@ def test_bench_generate_tiny_runs(tmp_path, monkeypatch):
     bench = _load_bench_generate()
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --trace-steps adds a flag: undone after
     assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--trace-steps", "1",
-                       "--trace-prefill", "--out", str(tmp_path)]) == 0
+                       "--trace-prefill", "--attention", "auto", "--out", str(tmp_path)]) == 0
     payload = json.loads((tmp_path / "generate.json").read_text())
+    assert payload["args"]["attention"] == "auto"
     got = {(r["model"], r["phase"]): r for r in payload["rows"]}
     assert set(got) == {("w4a8", "prefill"), ("w4a8", "decode"), ("bf16_ragged_dot", "prefill"),
                         ("bf16_ragged_dot", "decode")}
