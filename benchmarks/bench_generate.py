@@ -354,7 +354,8 @@ def run_variant(name, model, cfg, args, rows):
 
     from jax_w4a8.models.deepseek.generate import Generator
 
-    gen = Generator(model.set_attention(args.attention))
+    # eager is every model's default: not calling set_attention keeps the script usable on packages from before it
+    gen = Generator(model if args.attention == "eager" else model.set_attention(args.attention))
     for t in args.prefill:
         try:
             s, first, trace = bench_prefill(gen, cfg, t, args.prefill_reps, args.trace_prefill)
