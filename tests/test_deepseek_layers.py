@@ -443,6 +443,9 @@ def test_linear_parts_are_their_checkpoint_tensors_side_by_side(rng, rows, quant
     assert got.shape == (5, n) and row_rel.max() < 1e-5, row_rel
     with pytest.raises(ValueError, match="parts"):
         layers.Linear(k, n + 1, parts=(("a_proj", rows[0]), ("b_proj", rows[1])), rngs=nnx.Rngs(0))
+    if quant == "none":   # pre-quantized activations need FP8 weights
+        with pytest.raises(ValueError, match="quant='fp8'"):
+            lin.apply_quantized(*layers.quantize_act_groups(jnp.asarray(x, jnp.float32)))
 
 
 @pytest.mark.parametrize("inter,ue8m0", [(256, False), (128, True), (96, False)])

@@ -250,10 +250,15 @@ def _sdpa(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, implementation: str
     return jnp.where(mask.any(-1)[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
+def _half_precision(dtype) -> bool:
+    """cuDNN's fused attention takes bf16 / fp16 operands only."""
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
 def _cudnn_attention_possible(dtype) -> bool:
     """Whether "auto" may choose cuDNN: bf16 / fp16 activations and a CUDA backend with a GPU of
     compute capability >= 8.0 (each lowering still picks eager for other platforms)."""
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    if not _half_precision(dtype):
         return False
     try:
         gpu = jax.devices("gpu")[0]
@@ -283,12 +288,14 @@ def mla_attention(q_nope, q_pe, k_nope, k_pe, v, mask, scale: float, *, implemen
         prefill): cuDNN then skips the blocks above the diagonal. The eager attention needs only ``mask``.
     Returns:
       v.dtype [B, T, H, dv].
+    Raises:
+      ValueError for an implementation not in :data:`ATTENTION_IMPLS`, or "cudnn" with float32 operands.
     """
     if implementation not in ATTENTION_IMPLS:
         raise ValueError(f"mla_attention: implementation must be one of {ATTENTION_IMPLS}, got {implementation!r}")
     causal = causal and q_nope.shape[1] == k_nope.shape[1]
     if implementation == "cudnn":
-        if jnp.dtype(v.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        if not _half_precision(v.dtype):
             raise ValueError(f"mla_attention: implementation='cudnn' needs bf16 / fp16 activations, got {v.dtype}; "
                              "use 'auto' (eager for float32) or 'eager'")
         return _sdpa(q_nope, q_pe, k_nope, k_pe, v, mask, scale, "cudnn", causal)
@@ -490,6 +497,8 @@ class Linear(nnx.Module):
         Args: x8 e4m3 [M, K'] and x_scale fp32 [M, K'/128] (:meth:`quantize_input`, or
           ``ops.silu_mul_quantize_fp8_groups``; powers of two when ``ue8m0``); K' = K rounded up to 128.
         Returns: ``dtype`` [M, N], bias added.
+        Raises: ValueError when the weights are not FP8 (``quant="none"``); the op's TypeError / ValueError
+          naming ``x`` or ``x_scale`` for codes or scales of another dtype or width.
         """
         if self.quant != "fp8":
             raise ValueError(f"Linear.apply_quantized needs quant='fp8' weights, this one has {self.quant!r}")
