@@ -373,3 +373,44 @@ def test_bad_arguments(fp32_model):
     with pytest.raises(ValueError, match="top_p"):
         generate(fp32_model, [[0, 1]], 2, temperature=1.0, top_p=0.0)
     assert generate(fp32_model, [[0, 1], [2]], 0) == [[], []]
+
+
+def test_compile_time_counts_nested_traces_once():
+    """A jit traced inside another reports its own trace event, which the outer event's duration already
+    holds: the compile-time total is the union of the events' intervals, so the time subtracted from a
+    phase never exceeds its wall time."""
+    import importlib
+    import time
+
+    G = importlib.import_module("jax_w4a8.models.deepseek.generate")   # the module (the package exports a function)
+
+    G.compile_counter()                                 # the listener is registered
+
+    @jax.jit
+    def inner(v):
+        time.sleep(0.3)                                 # at trace time
+        return v * 2
+
+    @jax.jit
+    def outer(v):
+        time.sleep(0.3)
+        return inner(v) + 1
+
+    x = jnp.arange(3.0)                                 # the functions are new: nothing cached
+    c0, _ = G.compile_counter()
+    t0 = time.perf_counter()
+    np.testing.assert_array_equal(np.asarray(outer(x)), np.asarray(x) * 2 + 1)
+    wall = time.perf_counter() - t0
+    spent = G.compile_counter()[0] - c0
+    assert 0.6 <= spent <= wall + 1e-3, (spent, wall)   # both sleeps, once each; never more than the wall time
+    # the interval union itself: nested and overlapping intervals count once, disjoint ones add up
+    saved = (list(G._recent), G._compile_total[0])
+    try:
+        G._recent.clear()
+        G._compile_total[0] = 0.0
+        for s, e in ((0.0, 1.0), (2.0, 2.5), (2.6, 2.9), (1.5, 3.0), (2.8, 3.5), (5.0, 6.0)):
+            G._count_interval(s, e)
+        assert G._compile_total[0] == pytest.approx(1.0 + 2.0 + 1.0)
+    finally:
+        G._recent[:] = saved[0]
+        G._compile_total[0] = saved[1]

@@ -313,12 +313,29 @@ _COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/core/comp
 _compile_lock = threading.Lock()
 _compile_total = [0.0, 0]           # seconds, backend compilations
 _listening = [False]
+_recent: list[list[float]] = []     # [start, end] of the latest compile events, disjoint, in time order
+
+
+def _count_interval(start: float, end: float) -> None:
+    """Adds the part of [start, end] not yet counted to ``_compile_total[0]``. JAX reports a jit traced inside
+    another one (every ``jnp`` function that is itself a jit) with its own event, and the outer trace's
+    duration includes it: counted as a union of intervals, nested time counts once (summed, it made the
+    subtracted compile time exceed the wall time of a short prefill)."""
+    while _recent and _recent[-1][1] > start:          # overlaps (a nested event ended inside this one)
+        s, e = _recent.pop()
+        _compile_total[0] -= e - s
+        start = min(start, s)
+        end = max(end, e)
+    _recent.append([start, end])
+    _compile_total[0] += end - start
+    del _recent[:-64]                                  # older events end before any new one starts
 
 
 def _on_event(event: str, duration: float, **_):
     if event in _COMPILE_EVENTS:
+        end = time.perf_counter()
         with _compile_lock:
-            _compile_total[0] += duration
+            _count_interval(end - duration, end)
             if event == _COMPILE_EVENTS[0]:
                 _compile_total[1] += 1
 
