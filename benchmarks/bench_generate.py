@@ -354,8 +354,9 @@ def run_variant(name, model, cfg, args, rows):
 
     from jax_w4a8.models.deepseek.generate import Generator
 
-    # eager is every model's default: not calling set_attention keeps the script usable on packages from before it
-    gen = Generator(model if args.attention == "eager" else model.set_attention(args.attention))
+    # packages from before set_attention (7a90c83 and older) had only eager attention: --attention eager skips the call
+    gen = Generator(model if args.attention == "eager" and not hasattr(model, "set_attention")
+                    else model.set_attention(args.attention))
     for t in args.prefill:
         try:
             s, first, trace = bench_prefill(gen, cfg, t, args.prefill_reps, args.trace_prefill)
@@ -466,8 +467,9 @@ def main(argv=None):
                    help="with --trace-steps / --trace-prefill: let XLA run its command buffers op by op while "
                         "profiling (its default)")
     p.add_argument("--variants", nargs="*", default=["w4a8", "bf16_ragged_dot", "bf16_pallas"])
-    p.add_argument("--attention", choices=("eager", "cudnn", "auto"), default="eager",
-                   help="prefill attention of every variant (DeepseekV3ForCausalLM.set_attention; default eager)")
+    p.add_argument("--attention", choices=("eager", "cudnn", "auto"), default="auto",
+                   help="prefill attention of every variant (DeepseekV3ForCausalLM.set_attention; default auto, "
+                        "the model's)")
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="split the routed experts over the first N devices (weights made sharded; w4a8 only)")

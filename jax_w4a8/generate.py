@@ -167,8 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
     p.add_argument("--check-finite", action="store_true", help="stop with an error on NaN/Inf logits")
     p.add_argument("--attention", choices=["eager", "cudnn", "auto"], default=None,
-                   help="prefill attention: eager (default: float32 scores in memory, transformers' numerics), "
-                        "cudnn (cuDNN's fused flash attention, bf16 on a GPU) or auto (cudnn where possible)")
+                   help="prefill attention: auto (the default: cudnn where possible, else eager), eager (float32 "
+                        "scores in memory, transformers' numerics) or cudnn (cuDNN's fused flash attention, bf16 "
+                        "on a GPU)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")

@@ -225,14 +225,14 @@ def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch
     ids = jnp.asarray(exp["input_ids"])
     layers_n = model.cfg.num_hidden_layers
     jit_forward(model)(ids)
-    assert seen == [("eager", True)] * layers_n
+    assert seen == [("auto", True)] * layers_n                       # the default
     seen.clear()
-    assert model.set_attention("auto") is model
+    assert model.set_attention("eager") is model
     jit_forward(model)(ids, default_positions(ids) + 3)
-    assert seen == [("auto", False)] * layers_n
+    assert seen == [("eager", False)] * layers_n
     seen.clear()
     generate(model, [[1, 2, 3], [4]], 3)
-    assert seen == [("auto", True)] * layers_n                      # prefill only: the decode steps are latent
+    assert seen == [("eager", True)] * layers_n                     # prefill only: the decode steps are latent
     with pytest.raises(ValueError, match="implementation"):
         model.set_attention("flash")
     f32_model = load_checkpoint(path, dtype=jnp.float32, progress=False)

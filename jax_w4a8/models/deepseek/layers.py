@@ -773,7 +773,7 @@ class MLA(nnx.Module):
             self.q_b_proj = lin(cfg.q_lora_rank, h * (dn + dr))
         self.kv_a_layernorm = RMSNorm(r, eps=1e-6, dtype=dtype)
         self.kv_b_proj = lin(r, h * (dn + dv))
-        self.attention = "eager"    # the expanded attention's implementation (ATTENTION_IMPLS): static
+        self.attention = "auto"     # the expanded attention's implementation (ATTENTION_IMPLS): static
         self.o_proj = lin(h * dv, d, use_bias=bias)
 
     def _first_projections(self, x):

@@ -106,9 +106,9 @@ class DeepseekV3ForCausalLM(nnx.Module):
                         layers.Linear(cfg.hidden_size, cfg.vocab_size, quant="none", dtype=dtype, rngs=rngs))
 
     def set_attention(self, implementation: str) -> DeepseekV3ForCausalLM:
-        """How prefill attention runs in every layer: ``"eager"`` (the default: transformers' numerics,
-        float32 scores in memory), ``"cudnn"`` (cuDNN's fused flash attention, bf16 models on a GPU) or
-        ``"auto"`` (cudnn where possible, else eager); see :func:`layers.mla_attention`. A static part of
+        """How prefill attention runs in every layer: ``"auto"`` (the default: cudnn for a bf16 model on a
+        GPU, else eager), ``"eager"`` (transformers' numerics, float32 scores in memory) or ``"cudnn"`` (cuDNN's
+        fused flash attention, bf16 models on a GPU); see :func:`layers.mla_attention`. A static part of
         the model (jitted functions retrace for it). Returns the model.
 
         Raises: ValueError for another name, or "cudnn" on a float32 model."""
