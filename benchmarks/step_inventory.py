@@ -36,6 +36,15 @@ def fusions(hlo_text: str) -> int:
     return len(re.findall(r"=\s*\S+\s+fusion\(", hlo_text))
 
 
+FUSION = re.compile(r"%?([\w.-]+)\s*=\s*\S+\s+fusion\(.*?kind=(k\w+)")
+
+
+def fusion_kinds(hlo_text: str) -> collections.Counter:
+    """Fusions in compiled HLO text by (name without its numeric suffix, kind), counted: what XLA's own kernels
+    in the step are (gathers, reductions, GEMMs it fused, ...)."""
+    return collections.Counter((re.sub(r"(\.\d+)+$", "", name), kind) for name, kind in FUSION.findall(hlo_text))
+
+
 def decode_step_texts(layers: int, v3: bool, batch: int = 1, cache_len: int = 64):
     """(lowered StableHLO, compiled HLO) of one decode step of a W4A8 model with random weights."""
     import jax
@@ -60,6 +69,7 @@ def main(argv=None):
     ap.add_argument("--layers", type=int, default=2, help="decoder layers, all MoE (default 2)")
     ap.add_argument("--v3", action="store_true", help="DeepSeek-V3 widths (default: small widths)")
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--fusions", action="store_true", help="list the compiled step's fusions by name and kind")
     args = ap.parse_args(argv)
     import jax
 
@@ -73,6 +83,9 @@ def main(argv=None):
     ours = sum(n for t, n in after.items() if t.startswith("jax_w4a8_"))
     print(f"{'this library, compiled':40s} {'':8s} {ours:9d} {ours / args.layers:10.1f}")
     print(f"fusions in the compiled step: {fusions(compiled)}")
+    if args.fusions:
+        for (name, kind), n in sorted(fusion_kinds(compiled).items(), key=lambda kv: (-kv[1], kv[0])):
+            print(f"  {n:4d}  {kind:8s} {name}")
     return 0
 
 

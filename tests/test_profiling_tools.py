@@ -294,6 +294,8 @@ def test_step_inventory_counts_custom_calls_of_both_texts():
            '%d = (f32[2], s32[2]) custom-call(%c), custom_call_target="TopK"\n')
     assert step_inventory.custom_calls(hlo) == {"jax_w4a8_fp8_einsum": 2, "TopK": 1}
     assert step_inventory.fusions(hlo) == 1
+    assert step_inventory.fusion_kinds(hlo + '%gather_fusion.2.1 = f32[2] fusion(%c), kind=kInput, calls=%g\n') == {
+        ("c", "kLoop"): 1, ("gather_fusion", "kInput"): 1}
     mlir = '%0:2 = stablehlo.custom_call @jax_w4a8_quantize_fp8_groups(%arg0) {api_version = 4 : i32}'
     assert step_inventory.custom_calls(mlir) == {"jax_w4a8_quantize_fp8_groups": 1}
 
