@@ -11,7 +11,8 @@ Every kernel of a call with its duration (the preparation kernels too: how the f
 
     ncu --clock-control none --metrics gpu__time_duration.sum python benchmarks/profile_case.py prefill4k_fold
 
-Cases: decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
+Cases: top8_up1 / top8_down1 (a batch-1 decode step's grouped GEMMs at V3 widths: 8 rows, one on each of 8 of
+256 experts; `--tile-tokens` / `--mma` force a plan), decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
 (the down projection, N = 7168, K = 2048, same kernel), decode512 / down512 (the same at M = 512: the plan's
 32-token f16 kernel, whole tiles), fused64 / fused512 (ops.w4a8_moe_up on the same gate+up weights: the fused
 8- / 32-token f16 kernels), the einsum cases of EINSUM_CASES (DeepSeek-V3 linears and
@@ -36,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_w4a8 import ops, quant  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
-GROUPED_CASES = ("decode64", "down64", "decode512", "down512", "fused64", "fused512", "prefill4k_e4m3", "prefill4k_f16",
+GROUPED_CASES = ("top8_up1", "top8_down1", "decode64", "down64", "decode512", "down512", "fused64", "fused512", "prefill4k_e4m3", "prefill4k_f16",
                  "prefill16k_e4m3", "prefill16k_f16", "down4k_e4m3", "prefill4k_fold", "down4k_fold")
 # einsum cases: (equation, activation shape, weight shape); the decode kernels' (one token) first
 EINSUM_CASES = {
@@ -50,6 +51,7 @@ EINSUM_CASES = {
     "o_proj16": ("md,nd->mn", (16, 16384), (7168, 16384)),
     "o_proj32": ("md,nd->mn", (32, 16384), (7168, 16384)),
     "square1": ("md,nd->mn", (1, 7168), (7168, 7168)),
+    "q_b1": ("md,nd->mn", (1, 1536), (24576, 1536)),  # MLA q_b (128 heads x 192)
     "shared_up1": ("md,nd->mn", (1, 7168), (4096, 7168)),  # the shared expert's gate+up projection
     "shared_down1": ("md,nd->mn", (1, 2048), (7168, 2048)),  # the shared expert's down projection
     "mlp_up1": ("md,nd->mn", (1, 7168), (36864, 7168)),  # a dense layer's gate+up projection
@@ -68,7 +70,19 @@ def _einsum_case(key, eq, x_shape, w_shape):
     return jax.jit(lambda *a: ops.fp8_einsum(eq, *a)), (x, xs, w, ws)
 
 
-def build(case, key):
+def _top8_case(key, n, k, e=256, top_k=8):
+    """One token routed to top_k of e experts (a batch-1 decode step's grouped GEMM): top_k rows, one per
+    expert, the experts spread over the table."""
+    x, xs, w, ws, _ = _grouped_case(key, top_k, n, k, 0, e=e)
+    sizes = jnp.zeros((e,), jnp.int32).at[jnp.arange(top_k) * (e // top_k)].set(1)
+    return x, xs, w, ws, sizes
+
+
+def build(case, key, tile_tokens=None, mma=None):
+    if case in ("top8_up1", "top8_down1"):  # V3 batch 1: 8 rows over 8 of 256 experts
+        n, k = (4096, 7168) if case == "top8_up1" else (7168, 2048)
+        f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=tile_tokens, mma=mma)
+        return jax.jit(f), _top8_case(key, n, k)
     if case == "decode64":  # probe_kernels.py's grouped case: 32 experts, gate+up N = 4096, K = 7168
         return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 64, 4096, 7168, 0)
     if case == "down64":
@@ -95,8 +109,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=CASES)
     ap.add_argument("--calls", type=int, default=2, help="calls of the op (the first compiles); default 2")
+    ap.add_argument("--tile-tokens", type=int, help="top8 cases: force the grouped GEMM's token tile")
+    ap.add_argument("--mma", choices=("e4m3", "f16"), help="top8 cases: force the operand format")
     args = ap.parse_args()
-    f, a = build(args.case, jax.random.key(0))
+    f, a = build(args.case, jax.random.key(0), args.tile_tokens, args.mma)
     for _ in range(args.calls):
         jax.block_until_ready(f(*a))
 

@@ -7,6 +7,7 @@ import pathlib
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,6 +51,19 @@ def test_profile_case_runs_each_case_and_refuses_unknown_ones():
         assert r.returncode == 0, r.stderr
     r = _run([os.path.join(BENCH, "profile_case.py"), "nope"])
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_profile_case_top8_puts_one_row_on_each_of_eight_experts():
+    sys.path.insert(0, BENCH)
+    try:
+        import profile_case
+    finally:
+        sys.path.remove(BENCH)
+    import jax
+    x, xs, w, ws, sizes = profile_case._top8_case(jax.random.key(1), 256, 256, e=32)
+    sizes = np.asarray(sizes)
+    assert x.shape == (8, 256) and w.shape == (32, 256, 128) and sizes.sum() == 8
+    assert sorted(np.flatnonzero(sizes)) == [0, 4, 8, 12, 16, 20, 24, 28]
 
 
 def test_back_to_back_prints_the_three_loop_times():
