@@ -136,6 +136,24 @@ def test_deepseek_shape_on_gpu(rng, device):
     check(args, run_ffi(args, device), jnp.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(4096, 7168), (7168, 2048)], ids=["gate_up", "down"])
+def test_batch1_decode_routing_on_gpu(rng, device, n, k):
+    """A batch-1 decode step's routed experts at DeepSeek-V3 widths: one token on 8 of 256 experts, one row
+    each (the plan's 8-token tile over mostly empty experts; split K for gate+up). The other experts'
+    weights are zeros; the reference is the same 8 rows on just their 8 experts."""
+    if device.platform != "gpu":
+        pytest.skip("GPU-sized case")
+    e, busy = 256, np.sort(rng.choice(256, 8, replace=False))
+    x8, xs, w8, ws8, _ = make_case(rng, 8, k, n, [1] * 8)
+    with jax.default_device(device):
+        w = jnp.zeros((e, n, k // 2), w8.dtype).at[busy].set(jnp.asarray(w8))
+        ws = jnp.ones((e, n, k // 128), ws8.dtype).at[busy].set(jnp.asarray(ws8))
+        sizes = jnp.zeros((e,), jnp.int32).at[busy].set(1)
+    out = run_ffi((x8, xs, w, ws, sizes), device)
+    check((x8, xs, w8, ws8, jnp.ones((8,), jnp.int32)), out, jnp.bfloat16)
+
+
 # ------------------------------------------------------------------------------------ bad input
 def _good(rng):
     return dict(zip(["x", "x_scale", "w", "w_scale", "group_sizes"], make_case(rng, 16, 256, 8, [8, 8])))
