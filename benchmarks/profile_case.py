@@ -12,7 +12,7 @@ Every kernel of a call with its duration (the preparation kernels too: how the f
     ncu --clock-control none --metrics gpu__time_duration.sum python benchmarks/profile_case.py prefill4k_fold
 
 Cases: top8_up1 / top8_down1 (a batch-1 decode step's grouped GEMMs at V3 widths: 8 rows, one on each of 8 of
-256 experts; `--tile-tokens` / `--mma` force a plan), decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
+256 experts; `--tile-tokens` / `--mma` / `--split-k` force a plan), decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
 (the down projection, N = 7168, K = 2048, same kernel), decode512 / down512 (the same at M = 512: the plan's
 32-token f16 kernel, whole tiles), fused64 / fused512 (ops.w4a8_moe_up on the same gate+up weights: the fused
 8- / 32-token f16 kernels), the einsum cases of EINSUM_CASES (DeepSeek-V3 linears and
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from jax_w4a8 import ops, quant  # noqa: E402
+from jax_w4a8 import ops, quant, tiling  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
 GROUPED_CASES = ("top8_up1", "top8_down1", "decode64", "down64", "decode512", "down512", "fused64", "fused512", "prefill4k_e4m3", "prefill4k_f16",
@@ -114,7 +114,10 @@ def main():
     ap.add_argument("--calls", type=int, default=2, help="calls of the op (the first compiles); default 2")
     ap.add_argument("--tile-tokens", type=int, help="top8 cases: force the grouped GEMM's token tile")
     ap.add_argument("--mma", choices=("e4m3", "f16"), help="top8 cases: force the operand format")
+    ap.add_argument("--split-k", type=int, help="top8 cases: force the K split (1: whole tiles; more: stream-K)")
     args = ap.parse_args()
+    if args.split_k is not None:  # ops.w4a8_grouped_gemm plans through tiling.plan_grouped_gemm
+        tiling.plan_grouped_gemm = functools.partial(tiling.plan_grouped_gemm, split_k=args.split_k)
     f, a = build(args.case, jax.random.key(0), args.tile_tokens, args.mma)
     for _ in range(args.calls):
         jax.block_until_ready(f(*a))

@@ -214,7 +214,7 @@ def _blocks_per_sm(tile_tokens: int) -> int:
 
 def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens: int | None,
           num_sms: int | None, *, spread: bool = False, busy: float | None = None,
-          exact: bool = False, allowed: tuple[int, ...] = TILE_TOKENS) -> GemmPlan:
+          exact: bool = False, allowed: tuple[int, ...] = TILE_TOKENS, split_k: int | None = None) -> GemmPlan:
     groups = k // 128
     if tile_tokens is None:
         tile_tokens = _tile_for(rows, spread, tuple(t for t in allowed if t <= 128))
@@ -238,6 +238,11 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
         blocks = min(blocks, max(work, 1) * _MAX_PIECES)
     if groups > 1 and dealable and (work < slots or ((ragged_wave or sparse) and out_bytes <= 64 << 20)):
         split = max(2, min(math.ceil(blocks / max(work, 1)), groups))
+    if split_k is not None:  # forced (probes): any split the kernel can deal
+        if not (isinstance(split_k, int) and 1 <= split_k <= max(groups, 1) and (split_k == 1 or dealable)):
+            raise ValueError(f"argument 'split_k' must be an int in [1, K/128 = {groups}] (1 where the stream-K "
+                             f"iterations overflow 32 bits), got {split_k!r}")
+        split = split_k
     mp = -(-m // 4) * 4
     scratch = -(-(groups * h * mp * 4) // 256) * 256
     if split > 1:  # int32 piece counters (12 per unit bound; hopper_gemm.cu CounterBytes), then two float32
@@ -310,7 +315,7 @@ def _grouped_cutlass_unsupported(m: int, e: int, n: int, k: int, *, out_bf16: bo
 def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None,
                       tile_tokens: int | None = None, num_sms: int | None = None,
                       mma: str | None = None, kernel: str | None = None, out_bf16: bool = True,
-                      cutlass: bool | None = None) -> GemmPlan:
+                      cutlass: bool | None = None, split_k: int | None = None) -> GemmPlan:
     """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E.
 
     ``mma`` None picks the operand format from the tile (module docstring); "e4m3" or "f16" forces it
@@ -318,6 +323,8 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     ``kernel``: None lets the plan choose (the CUTLASS path for bfloat16 output from
     :func:`cutlass_grouped_min_rows` expected rows per expert, when built with it); "cutlass" or "native"
     forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
+    ``split_k``: force this library's kernels' K split (1: whole tiles; more: stream-K with at most that many
+    pieces per tile), for probes of the heuristic (``benchmarks/profile_case.py --split-k``); ignored by CUTLASS.
     Raises ValueError naming ``tile_tokens``, ``mma`` or ``kernel`` (unknown value; "f16" with tile 0, the
     plain CUDA-core kernel; "e4m3" with tile 8; a kernel choice these shapes cannot run).
     """
@@ -344,9 +351,9 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     busy = e if rows_per_expert is not None else _busy_experts(m, e)
     # e4m3 asked for without a tile: the plan picks among the e4m3 tiles (8 is the f16 MMA's only)
     tiles = TILE_TOKENS if (mma == "e4m3" and tile_tokens is None) else GROUPED_TILE_TOKENS
-    plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles)
+    plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles, split_k=split_k)
     if mma != "e4m3" and tile_tokens is None and plan.tile_tokens == 128 and rows <= _F16_HALF_TILE_ROWS:
-        plan = _plan(m, 1, n, k, e, rows, 64, num_sms, spread=True, busy=busy, allowed=tiles)
+        plan = _plan(m, 1, n, k, e, rows, 64, num_sms, spread=True, busy=busy, allowed=tiles, split_k=split_k)
     if mma is None:  # measured on the H200: f16 wins at 8- to 64-row tiles (module docstring)
         mma = "f16" if plan.tile_tokens in F16_TILE_TOKENS else "e4m3"
     return _with_mma(plan, mma, m, k, GROUPED_TILE_TOKENS)

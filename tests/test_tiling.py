@@ -44,6 +44,20 @@ def test_batch_one_decode_splits_k():
     assert plan.scratch_bytes >= SMS * 2 * 2 * plan.tile_tokens * 128 * 4  # two partial tiles per resident block
 
 
+def test_forced_split_k_for_probes():
+    """``split_k`` forces the K split (profile_case.py --split-k): whole tiles drop the stream-K scratch, a
+    larger split keeps it; out of [1, K/128] is an error naming the argument."""
+    auto = tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS)     # batch 1, V3 gate+up: split 2
+    whole = tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS, split_k=1)
+    four = tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS, split_k=4)
+    assert (auto.split_k, whole.split_k, four.split_k) == (2, 1, 4)
+    assert whole.scratch_bytes < auto.scratch_bytes == four.scratch_bytes
+    assert whole.tile_tokens == auto.tile_tokens == four.tile_tokens == 8
+    for bad in (0, 57, 2.0):
+        with pytest.raises(ValueError, match="split_k"):
+            tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS, split_k=bad)
+
+
 def test_no_split_once_the_gpu_is_full():
     # 256 rows over 32 experts: all 32 busy x 32 feature tiles = 1024 units, ~3.9 waves: no split.
     assert tiling.plan_grouped_gemm(256, 32, 4096, 7168, num_sms=SMS).split_k == 1
