@@ -33,7 +33,7 @@ def custom_calls(hlo_text: str) -> collections.Counter:
 
 def fusions(hlo_text: str) -> int:
     """Fusion instructions in compiled HLO text (kernels XLA generates; a CPU compile fuses differently)."""
-    return len(re.findall(r"=\s*\S+\s+fusion\(", hlo_text))
+    return sum(fusion_kinds(hlo_text).values())
 
 
 FUSION = re.compile(r"%?([\w.-]+)\s*=\s*\S+\s+fusion\(.*?kind=(k\w+)")

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jax_w4a8.moe import map_rows
 from jax_w4a8.sharding import EXPERT_AXIS
 
 __all__ = ["ExpertParallel", "moe_apply_ep", "DISPATCHES"]
@@ -97,16 +98,11 @@ def _gather_body(x, ids, weights, params, *, experts_fn, num_experts, n):
     flat = ids.reshape(-1).astype(jnp.int32)
     local = (flat // e_local) == d
     order, inverse, sizes = _sort_local(flat % e_local, local, e_local)
-    y = experts_fn(params, _rows(x, lambda a: jnp.take(a, order // k, axis=0)), sizes)
+    y = experts_fn(params, map_rows(x, lambda a: jnp.take(a, order // k, axis=0)), sizes)
     y = jnp.take(y, inverse, axis=0).astype(F32)
     y = jnp.where(local[:, None], y, 0.0).reshape(tokens, k, y.shape[-1])  # non-local rows ignored, not multiplied
     out = jnp.einsum("nkd,nk->nd", y, weights.astype(F32), precision=jax.lax.Precision.HIGHEST)
     return jax.lax.psum(out, EXPERT_AXIS)
-
-
-def _rows(x, fn):
-    """``fn`` on each array of ``x`` (an array of token rows, or a tuple of them: fp8 codes and scales)."""
-    return tuple(fn(a) for a in x) if isinstance(x, tuple) else fn(x)
 
 
 def _exchange_rows(x, **kw):
@@ -116,7 +112,7 @@ def _exchange_rows(x, **kw):
         if jnp.dtype(a.dtype).itemsize == 1 and jnp.issubdtype(a.dtype, jnp.floating):
             return jax.lax.bitcast_convert_type(_exchange(jax.lax.bitcast_convert_type(a, jnp.uint8), **kw), a.dtype)
         return _exchange(a, **kw)
-    return _rows(x, one)
+    return map_rows(x, one)
 
 
 def _exchange(rows, send_offsets, send_sizes, out_offsets, recv_sizes, out_rows, cap, n, exchange="ragged"):
@@ -158,11 +154,11 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
     t_local = -(-tokens // n)
     pad = t_local * n - tokens
     if pad:
-        x = _rows(x, lambda a: jnp.pad(a, ((0, pad), (0, 0))))
+        x = map_rows(x, lambda a: jnp.pad(a, ((0, pad), (0, 0))))
         ids = jnp.pad(ids, ((0, pad), (0, 0)))
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
     start = d * t_local
-    my_x = _rows(x, lambda a: jax.lax.dynamic_slice_in_dim(a, start, t_local))
+    my_x = map_rows(x, lambda a: jax.lax.dynamic_slice_in_dim(a, start, t_local))
     my_ids = jax.lax.dynamic_slice_in_dim(ids, start, t_local).reshape(-1).astype(jnp.int32)
     my_w = jax.lax.dynamic_slice_in_dim(weights, start, t_local)
     tok_valid = (start + jnp.arange(t_local)) < tokens
@@ -179,7 +175,7 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
     cap = slots
     arange_n = jnp.arange(n, dtype=jnp.int32)
 
-    send_x = _rows(my_x, lambda a: jnp.take(a, order // k, axis=0))
+    send_x = map_rows(my_x, lambda a: jnp.take(a, order // k, axis=0))
     send_e = jnp.take(my_ids, order) % e_local
     fwd = dict(send_offsets=send_offsets, send_sizes=send_sizes, out_offsets=jnp.full((n,), d * cap, jnp.int32),
                recv_sizes=recv_sizes, out_rows=n * cap, cap=cap, n=n, exchange=exchange)
@@ -189,7 +185,7 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
     # Compute on my experts.
     recv_valid = (jnp.arange(n * cap) % cap) < jnp.repeat(recv_sizes, cap)
     order2, inverse2, sizes = _sort_local(recv_e, recv_valid, e_local)
-    y = experts_fn(params, _rows(recv_x, lambda a: jnp.take(a, order2, axis=0)), sizes)
+    y = experts_fn(params, map_rows(recv_x, lambda a: jnp.take(a, order2, axis=0)), sizes)
     y = jnp.where(recv_valid[:, None], jnp.take(y, inverse2, axis=0), 0)
 
     # Send results back to where each slot came from, un-sort, combine my tokens.

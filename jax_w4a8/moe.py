@@ -58,12 +58,16 @@ def sort_by_expert(topk_ids, num_experts: int) -> Routing:
     return Routing(order, group_sizes, inverse, order // k)
 
 
+def map_rows(x, fn):
+    """``fn`` on each array of ``x``: an array of token rows, or a tuple of arrays with the same rows (tokens
+    already quantized: fp8 codes [N, D] and their scales [N, D/128]), which comes back a tuple."""
+    return tuple(fn(a) for a in x) if isinstance(x, tuple) else fn(x)
+
+
 def permute(x, routing: Routing):
     """Rows of ``x`` [N, D] in sorted-slot order: [N*K, D] (same dtype). ``x`` may be a tuple of arrays of N
-    rows each (fp8 codes [N, D] and their scales [N, D/128]): each is permuted the same way."""
-    if isinstance(x, tuple):
-        return tuple(jnp.take(a, routing.token_of_row, axis=0) for a in x)
-    return jnp.take(x, routing.token_of_row, axis=0)
+    rows each (:func:`map_rows`): each is permuted the same way."""
+    return map_rows(x, lambda a: jnp.take(a, routing.token_of_row, axis=0))
 
 
 def combine(y_sorted, inverse, topk_weights, out_dtype=jnp.float32):

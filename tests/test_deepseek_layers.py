@@ -430,6 +430,8 @@ def test_linear_parts_are_their_checkpoint_tensors_side_by_side(rng, rows, quant
     if quant == "fp8":
         nb = [-(-r // 128) for r in rows]
         assert lin.weight_scale_inv.shape == (sum(nb), k // 128)
+        assert lin.part_slices() == [(slice(0, rows[0]), slice(0, nb[0])),
+                                     (slice(rows[0], n), slice(nb[0], nb[0] + nb[1]))]
         s = np.asarray(lin.weight_scale_inv[...])
         q = lin.weight[...]
         w = np.concatenate([np_dequant_blocks(q[:rows[0]], s[:nb[0]]), np_dequant_blocks(q[rows[0]:], s[nb[0]:])])

@@ -55,6 +55,21 @@ def test_permute_and_combine_match_loop(rng):
     assert out.dtype == np.float32
 
 
+def test_permute_takes_quantized_tokens_as_a_tuple(rng):
+    """``map_rows`` / ``permute`` on (codes, scales): each array gathered by the same rows as numpy's."""
+    n, k, e = 9, 2, 4
+    ids = _topk_ids(rng, n, k, e)
+    codes = rng.integers(0, 256, (n, 256)).astype(np.uint8)
+    scales = rng.random((n, 2)).astype(np.float32)
+    r = moe.sort_by_expert(jnp.asarray(ids), e)
+    got = moe.permute((jnp.asarray(codes), jnp.asarray(scales)), r)
+    rows = np.argsort(ids.reshape(-1), kind="stable") // k
+    assert isinstance(got, tuple) and len(got) == 2
+    np.testing.assert_array_equal(np.asarray(got[0]), codes[rows])
+    np.testing.assert_array_equal(np.asarray(got[1]), scales[rows])
+    np.testing.assert_array_equal(np.asarray(moe.map_rows(jnp.asarray(scales), lambda a: a * 2)), scales * 2)
+
+
 def test_combine_is_fp32_then_cast():
     # bf16 expert outputs whose bf16 sum would lose the small term; the fp32 sum keeps it until the cast.
     y = jnp.asarray([[256.0], [1.0], [1.0]], jnp.bfloat16)           # rows of token 0: k = 3

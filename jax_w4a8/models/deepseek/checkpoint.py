@@ -576,16 +576,13 @@ def _iter_tensors(model: DeepseekV3ForCausalLM, expert_layout: str):
             w = _np(mod.weight[...])
             s = None if mod.weight_scale_inv is None else _np(mod.weight_scale_inv[...])
             b = None if mod.bias is None else _np(mod.bias[...])
-            r0 = b0 = 0
-            for src, rows in _linear_sources(p, mod):        # a fused Linear: each part under its HF name
-                yield src + ".weight", w[r0:r0 + rows]
+            # a fused Linear: each part under its HF name
+            for (src, _), (rows, blocks) in zip(_linear_sources(p, mod), mod.part_slices()):
+                yield src + ".weight", w[rows]
                 if s is not None:
-                    nb = -(-rows // BLOCK)
-                    yield src + ".weight_scale_inv", s[b0:b0 + nb]
-                    b0 += nb
+                    yield src + ".weight_scale_inv", s[blocks]
                 if b is not None:
-                    yield src + ".bias", b[r0:r0 + rows]
-                r0 += rows
+                    yield src + ".bias", b[rows]
         elif isinstance(mod, (layers.RMSNorm, layers.Embed)):
             yield p + ".weight", _np(mod.weight[...])
         elif isinstance(mod, layers.TopkRouter):

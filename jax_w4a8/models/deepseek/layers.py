@@ -481,6 +481,16 @@ class Linear(nnx.Module):
         rows = [r for _, r in self.parts] if self.parts else [self.out_features]
         return [(sum(rows[:j]), n) for j, n in enumerate(rows)]
 
+    def part_slices(self) -> list[tuple[slice, slice]]:
+        """Per part (one part: the whole weight), its rows of ``weight`` and its block rows of
+        ``weight_scale_inv`` (``ceil(rows / 128)`` each: every part keeps its checkpoint tensor's FP8 blocks)."""
+        out, b0 = [], 0
+        for r0, rows in self._row_ranges():
+            nb = -(-rows // BLOCK)
+            out.append((slice(r0, r0 + rows), slice(b0, b0 + nb)))
+            b0 += nb
+        return out
+
     @property
     def block_aligned(self) -> bool:
         """Whether the parts' FP8 scale blocks form one [ceil(N/128), ceil(K/128)] grid (one product)."""
@@ -510,13 +520,8 @@ class Linear(nnx.Module):
         if self.block_aligned:
             y = ops.fp8_einsum("md,nd->mn", x8, x_scale, w, ws, out_dtype=self.dtype)
         else:   # parts off the 128-row grid (tiny test models): one product per part, each on its blocks
-            ys, b0 = [], 0
-            for r0, rows in self._row_ranges():
-                nb = -(-rows // BLOCK)
-                ys.append(ops.fp8_einsum("md,nd->mn", x8, x_scale, w[r0:r0 + rows], ws[b0:b0 + nb],
-                                         out_dtype=self.dtype))
-                b0 += nb
-            y = jnp.concatenate(ys, axis=-1)
+            y = jnp.concatenate([ops.fp8_einsum("md,nd->mn", x8, x_scale, w[rows], ws[blocks], out_dtype=self.dtype)
+                                 for rows, blocks in self.part_slices()], axis=-1)
         return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
     def __call__(self, x):
