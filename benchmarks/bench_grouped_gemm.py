@@ -83,7 +83,7 @@ def run(args):
             xs = {"ue8m0": quant.ceil_to_ue8m0(xs), "f32": xs, "tensor": jnp.asarray(0.8, jnp.float32)}[args.x_scales]
             plan = tiling.plan_grouped_gemm(m, E, n, k)
             ours = jax.jit(ops.w4a8_grouped_gemm)
-            label = ("cutlass" if plan.kernel == "cutlass" else
+            label = (plan.kernel if plan.kernel in ("cutlass", "decode") else
                      f"t{plan.tile_tokens}/s{plan.split_k}" + ("/f16" if plan.mma == "f16" else ""))
             r = dict(shape=shape, M=m, routing=routing, N=n, K=k, plan=label)
             t = C.bench(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)])
@@ -98,8 +98,12 @@ def run(args):
                 if alt != plan.tile_tokens:
                     f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, tile_tokens=alt))
                     r[f"t{alt}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
-            if m >= 2048 and cutlass_built:  # the other kernel family at prefill sizes (the plan's CUTLASS rule)
-                other = "native" if plan.kernel == "cutlass" else "cutlass"
+            others = []  # the other kernel families: CUTLASS at prefill sizes, the decode kernel up to 512 rows
+            if m >= 2048 and cutlass_built:
+                others.append("native" if plan.kernel == "cutlass" else "cutlass")
+            if m <= 512:
+                others.append("native" if plan.kernel == "decode" else "decode")
+            for other in others:
                 f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, kernel=other))
                 r[f"kernel_{other}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
             if plan.kernel == "native" and plan.tile_tokens >= 16:  # the other tensor-core operand format, same tile
@@ -212,7 +216,7 @@ def mma_times(r):
 
 
 def kernel_times(r):
-    """The other kernel family timed for row ``r`` (prefill sizes): {"native": us} or {"cutlass": us}."""
+    """The other kernel families timed for row ``r``: {"native": us}, {"cutlass": us} or {"decode": us}."""
     return {k[7:-3]: v for k, v in r.items() if re.fullmatch(r"kernel_[a-z]+_us", k)}
 
 
@@ -264,7 +268,7 @@ def report(payload, out):
             "converted to e4m3 once per call, then CUTLASS's grouped FP8 GEMM; the time includes the conversion); "
             "other token tiles: the same call forced to another tile (the heuristic's alternatives); other MMA: the "
             "same call with the other tensor-core operand format (`mma=`, same token tile, this library's wgmma tiles); other kernel: the "
-            "same call on the other kernel family (`kernel=`, M >= 2048)."
+            "same call on the other kernel families (`kernel=`: CUTLASS from M = 2048, the decode kernel up to M = 512)."
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
                "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
                "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")

@@ -12,7 +12,7 @@ Every kernel of a call with its duration (the preparation kernels too: how the f
     ncu --clock-control none --metrics gpu__time_duration.sum python benchmarks/profile_case.py prefill4k_fold
 
 Cases: top8_up1 / top8_down1 (a batch-1 decode step's grouped GEMMs at V3 widths: 8 rows, one on each of 8 of
-256 experts; `--tile-tokens` / `--mma` / `--split-k` force a plan), decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
+256 experts; `--tile-tokens` / `--mma` / `--split-k` / `--kernel` force a plan, e.g. `--kernel decode`), decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
 (the down projection, N = 7168, K = 2048, same kernel), decode512 / down512 (the same at M = 512: the plan's
 32-token f16 kernel, whole tiles), fused64 / fused512 (ops.w4a8_moe_up on the same gate+up weights: the fused
 8- / 32-token f16 kernels), the einsum cases of EINSUM_CASES (DeepSeek-V3 linears and
@@ -81,19 +81,19 @@ def _top8_case(key, n, k, e=256, top_k=8):
     return x, xs, w, ws, sizes
 
 
-def build(case, key, tile_tokens=None, mma=None):
+def build(case, key, tile_tokens=None, mma=None, kernel=None):
+    grouped = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=tile_tokens, mma=mma, kernel=kernel)
     if case in ("top8_up1", "top8_down1"):  # V3 batch 1: 8 rows over 8 of 256 experts
         n, k = (4096, 7168) if case == "top8_up1" else (7168, 2048)
-        f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=tile_tokens, mma=mma)
-        return jax.jit(f), _top8_case(key, n, k)
+        return jax.jit(grouped), _top8_case(key, n, k)
     if case == "decode64":  # probe_kernels.py's grouped case: 32 experts, gate+up N = 4096, K = 7168
-        return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 64, 4096, 7168, 0)
+        return jax.jit(grouped), _grouped_case(key, 64, 4096, 7168, 0)
     if case == "down64":
-        return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 64, 7168, 2048, 0)
+        return jax.jit(grouped), _grouped_case(key, 64, 7168, 2048, 0)
     if case == "decode512":
-        return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 512, 4096, 7168, 0)
+        return jax.jit(grouped), _grouped_case(key, 512, 4096, 7168, 0)
     if case == "down512":
-        return jax.jit(ops.w4a8_grouped_gemm), _grouped_case(key, 512, 7168, 2048, 0)
+        return jax.jit(grouped), _grouped_case(key, 512, 7168, 2048, 0)
     if case in ("fused64", "fused512"):  # the fused up-projection on the gate+up weights (I = 2048)
         return jax.jit(ops.w4a8_moe_up), _grouped_case(key, 64 if case == "fused64" else 512, 4096, 7168, 0)
     if case in ("down4k_e4m3", "prefill4k_fold", "down4k_fold"):  # 128-token e4m3 kernel; fold: UE8M0 scales
@@ -112,13 +112,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("case", choices=CASES)
     ap.add_argument("--calls", type=int, default=2, help="calls of the op (the first compiles); default 2")
-    ap.add_argument("--tile-tokens", type=int, help="top8 cases: force the grouped GEMM's token tile")
-    ap.add_argument("--mma", choices=("e4m3", "f16"), help="top8 cases: force the operand format")
+    ap.add_argument("--tile-tokens", type=int, help="top8 / decode / down cases: force the grouped GEMM's token tile")
+    ap.add_argument("--mma", choices=("e4m3", "f16"), help="top8 / decode / down cases: force the operand format")
+    ap.add_argument("--kernel", choices=tiling.GROUPED_KERNELS, help="top8 / decode / down cases: force the kernel")
     ap.add_argument("--split-k", type=int, help="top8 cases: force the K split (1: whole tiles; more: stream-K)")
     args = ap.parse_args()
     if args.split_k is not None:  # ops.w4a8_grouped_gemm plans through tiling.plan_grouped_gemm
         tiling.plan_grouped_gemm = functools.partial(tiling.plan_grouped_gemm, split_k=args.split_k)
-    f, a = build(args.case, jax.random.key(0), args.tile_tokens, args.mma)
+    f, a = build(args.case, jax.random.key(0), args.tile_tokens, args.mma, args.kernel)
     for _ in range(args.calls):
         jax.block_until_ready(f(*a))
 

@@ -258,7 +258,9 @@ def _busy_experts(m: int, e: int) -> float:
 
 
 MMAS = ("e4m3", "f16")  # tensor-core operand formats for int4 weights (index = the FFI attribute)
-GROUPED_KERNELS = ("native", "cutlass")  # index = the grouped GEMM handler's `kernel` attribute
+GROUPED_KERNELS = ("native", "cutlass", "decode")  # index = the grouped GEMM handler's `kernel` attribute
+DECODE_UNIT_ROWS = 8  # the grouped decode kernel's rows per unit (w4a8_decode_gemm.cuh kW4a8DecodeTokens)
+_DECODE_MAX_UNITS = 65535  # ... units it can provide for (one row of blocks each: W4a8DecodeUnsupported)
 # The grouped GEMM plan takes CUTLASS from this many expected rows per expert, by K bound (None: any K); 576 for
 # gate+up and down alike (H200: see docstring).
 CUTLASS_GROUPED_MIN_ROWS = {None: 576}
@@ -290,6 +292,12 @@ def _gpu_is_sm90() -> bool:
         return True
     cc = getattr(dev, "compute_capability", None)
     return cc is None or str(cc) == "9.0"
+
+
+def decode_unit_bound(m: int, e: int) -> int:
+    """Units of at most 8 rows of one expert that any ``group_sizes`` can make of M rows over E experts (the
+    grouped decode kernel's grid rows; w4a8_decode_gemm.cu ``W4a8DecodeUnitBound``)."""
+    return max(1, -(-(m + 7 * min(e, m)) // DECODE_UNIT_ROWS))
 
 
 def cutlass_grouped_min_rows(k: int) -> int:
@@ -334,7 +342,16 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     if kernel == "cutlass" and (tile_tokens is not None or mma is not None):
         raise ValueError("arguments 'tile_tokens' and 'mma' select this library's kernels; leave them None with "
                          "kernel='cutlass'")
+    if kernel == "decode" and (tile_tokens not in (None, 8) or mma not in (None, "f16") or split_k not in (None, 1)):
+        raise ValueError("kernel='decode' runs 8-row units on the f16 MMA without split-K tiles: leave "
+                         "'tile_tokens', 'mma' and 'split_k' None (or 8, 'f16', 1)")
     rows = rows_per_expert if rows_per_expert is not None else m / e
+    if kernel == "decode":
+        units = decode_unit_bound(m, e)
+        if units > _DECODE_MAX_UNITS:
+            raise ValueError(f"argument 'kernel'='decode' provides for at most {_DECODE_MAX_UNITS} units of "
+                             f"{DECODE_UNIT_ROWS} rows; M = {m} rows over E = {e} experts can make {units}")
+        return GemmPlan(DECODE_UNIT_ROWS, 1, 0, units * math.ceil(n / 16), mma="f16", kernel="decode")
     if kernel == "cutlass" or (kernel is None and tile_tokens is None and mma is None
                                and rows >= cutlass_grouped_min_rows(k)):
         if cutlass is None:  # built with it, and a GPU that runs it (else the handler falls back to its plain

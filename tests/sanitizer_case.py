@@ -18,9 +18,9 @@ import np_ref  # noqa: E402
 from jax_w4a8 import ops, quant  # noqa: E402
 
 
-def _grouped_gemm_ok(args, mma, tok, covered) -> bool:
+def _grouped_gemm_ok(args, mma, tok, covered, kernel=None) -> bool:
     """One grouped GEMM call through the CUDA handler: near float64, the rows from ``covered`` on zero."""
-    out = jax.jit(lambda *a: ops.w4a8_grouped_gemm(*a, impl="ffi", mma=mma, tile_tokens=tok))(*args)
+    out = jax.jit(lambda *a: ops.w4a8_grouped_gemm(*a, impl="ffi", mma=mma, tile_tokens=tok, kernel=kernel))(*args)
     out = np.asarray(out.astype(jnp.float32))
     return bool(np_ref.rel_err(out, np_ref.grouped_gemm(*args)) <= 4e-3 and (out[covered:] == 0).all())
 
@@ -41,6 +41,15 @@ def main() -> int:
             args = (x8u, xsu) if folded else (x8, xs)
             args += (w, ws, jnp.asarray(sizes, jnp.int32))
             ok &= _grouped_gemm_ok(args, mma, tok, covered=min(sum(max(v, 0) for v in sizes), 45))
+        # the decode kernel: units of at most 8 rows found from group_sizes on the device, 70 rows (a partial
+        # 16-row tile), split K over a block's warps (two K groups)
+        ok &= _grouped_gemm_ok((x8, xs, w, ws, jnp.asarray(sizes, jnp.int32)), None, None,
+                               covered=min(sum(max(v, 0) for v in sizes), 45), kernel="decode")
+    # the decode kernel split K over a cluster of 4 blocks (16 K groups, 4 units bound: 8 tiles of 16 rows), rows 24
+    # (a partial tile), an expert with more than 8 rows (two units)
+    wd, wsd = quant.quantize_w4(rng.standard_normal((2, 24, 2048)).astype(np.float32))
+    xd8, xsd = quant.quantize_fp8_groups(rng.standard_normal((12, 2048)).astype(np.float32))
+    ok &= _grouped_gemm_ok((xd8, xsd, wd, wsd, jnp.asarray([3, 9], jnp.int32)), None, None, covered=12, kernel="decode")
     # the wgmma kernels' staged epilogue (N a multiple of 8; token multipliers through the staging rows' padding
     # at 128-token e4m3 folded and 64 / 128-token f16 tiles): whole and partial units, a feature tile past F's
     # first 64-feature half; e4m3 plain and folded

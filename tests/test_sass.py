@@ -1,6 +1,6 @@
 """The built CUDA library's machine code: every Hopper GEMM kernel issues tensor-core MMAs (SPEC / issue
 acceptance: "the built library's SASS contains QGMMA") in the operand format its template says: wgmma, or
-warp-level mma.sync at the int4 kernels' 8-token f16 tiles.
+warp-level mma.sync at the int4 kernels' 8-token f16 tiles and in the decode kernels.
 
 Reads the library with cuobjdump and nvdisasm (the ``nvidia-cuda-cuobjdump`` / ``nvidia-cuda-nvdisasm``
 wheels of the test extra, or tools on PATH): runs on a machine without a GPU; skips when the CUDA
@@ -97,6 +97,21 @@ def test_einsum_decode_kernel_issues_warp_mmas(functions):
         assert "LDG.E.NA.128" in body, tiles
         if tiles <= 2:
             assert not re.search(r"\b(STL|LDL)\b", body), tiles
+
+
+def test_grouped_decode_kernel_issues_warp_f16_mmas(functions):
+    """W4a8DecodeKernel (ops.w4a8_grouped_gemm kernel 'decode'): int4 weights streamed past L1 in 16-byte loads,
+    converted to f16 in registers with the activations (e4m3 -> f16 by F2FP), multiplied by mma.sync m16n8k16
+    (HMMA.16816.F32, 8 per K group and kDepth groups per loop turn); no local-memory access between the first
+    and last MMA (the few spilled values are the block's set-up)."""
+    found = [body for name, body in functions if "W4a8DecodeKernel" in name]
+    assert len(found) == 1
+    body = found[0]
+    assert body.count("HMMA.16816.F32") >= 8
+    assert "LDG.E.NA.128" in body and "F2FP.F16.E4M3.UNPACK_B" in body and "PRMT" in body
+    lines = body.splitlines()
+    mma = [i for i, t in enumerate(lines) if "HMMA.16816" in t]
+    assert not any(re.search(r"\b(STL|LDL)\b", t) for t in lines[mma[0]:mma[-1]])
 
 
 def test_einsum_staged_decode_kernel_copies_rows_to_shared_memory(functions):

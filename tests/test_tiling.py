@@ -365,3 +365,42 @@ def test_plans_hold_the_scratch_the_cuda_handlers_check():
                 p = tiling.plan_fp8_einsum(mh, h, n, k, block_scaled=block_scaled, num_sms=SMS, cutlass=cutlass)
                 need = mod.fp8_einsum_scratch(mh, h, n, k, p.tile_tokens, p.split_k, p.kernel == "cutlass", True)
                 assert p.scratch_bytes == need if p.split_k == 1 else p.scratch_bytes >= need, (mh, h, n, k, p, need)
+
+
+def test_decode_kernel_unit_bound_holds_any_routing():
+    """The grouped decode kernel's grid provides for decode_unit_bound(M, E) units of at most 8 rows of one
+    expert: no clamped group_sizes of M rows over E experts makes more (random and adversarial ones)."""
+    rng = np.random.default_rng(0)
+
+    def units(sizes, m):
+        end, total = 0, 0
+        for s in sizes:
+            new = min(end + min(max(s, 0), m), m)
+            total += -(-(new - end) // tiling.DECODE_UNIT_ROWS)
+            end = new
+        return total
+
+    for m, e in [(1, 1), (8, 256), (64, 32), (5, 32), (300, 6), (1000, 4096), (4096, 256)]:
+        bound = tiling.decode_unit_bound(m, e)
+        worst = [1] * min(e, m) + [0] * (e - min(e, m))  # one row per expert, then the rest on the last busy one
+        worst[min(e, m) - 1] += m - min(e, m)
+        assert units(worst, m) <= bound
+        for _ in range(50):
+            sizes = rng.multinomial(m, rng.dirichlet(np.full(e, 0.3))).tolist()
+            assert units(sizes, m) <= bound, (m, e, sizes)
+        assert units([2**31 - 1] * e, m) <= bound
+    assert tiling.decode_unit_bound(8, 256) == 8  # batch-1 top-8: no idle row of blocks
+    assert tiling.decode_unit_bound(0, 4) == 1
+
+
+def test_decode_kernel_plan_and_its_checks():
+    p = tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="decode")
+    assert (p.kernel, p.tile_tokens, p.mma, p.split_k, p.scratch_bytes) == ("decode", 8, "f16", 1, 0)
+    assert p == tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="decode", tile_tokens=8, mma="f16")
+    for bad in (dict(tile_tokens=16), dict(mma="e4m3"), dict(split_k=2)):
+        with pytest.raises(ValueError, match="kernel='decode'"):
+            tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="decode", **bad)
+    with pytest.raises(ValueError, match="argument 'kernel'='decode' provides for at most 65535 units"):
+        tiling.plan_grouped_gemm(1 << 19, 256, 128, 128, kernel="decode")
+    with pytest.raises(ValueError, match="argument 'kernel'"):
+        tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="fast")

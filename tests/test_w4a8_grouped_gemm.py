@@ -137,11 +137,12 @@ def test_deepseek_shape_on_gpu(rng, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", [None, "native", "decode"])
 @pytest.mark.parametrize("n, k", [(4096, 7168), (7168, 2048)], ids=["gate_up", "down"])
-def test_batch1_decode_routing_on_gpu(rng, device, n, k):
+def test_batch1_decode_routing_on_gpu(rng, device, n, k, kernel):
     """A batch-1 decode step's routed experts at DeepSeek-V3 widths: one token on 8 of 256 experts, one row
-    each (the plan's 8-token tile over mostly empty experts; split K for gate+up). The other experts'
-    weights are zeros; the reference is the same 8 rows on just their 8 experts."""
+    each (the plan's choice, the 8-token tile over mostly empty experts, and the decode kernel). The other
+    experts' weights are zeros; the reference is the same 8 rows on just their 8 experts."""
     if device.platform != "gpu":
         pytest.skip("GPU-sized case")
     e, busy = 256, np.sort(rng.choice(256, 8, replace=False))
@@ -150,7 +151,8 @@ def test_batch1_decode_routing_on_gpu(rng, device, n, k):
         w = jnp.zeros((e, n, k // 2), w8.dtype).at[busy].set(jnp.asarray(w8))
         ws = jnp.ones((e, n, k // 128), ws8.dtype).at[busy].set(jnp.asarray(ws8))
         sizes = jnp.zeros((e,), jnp.int32).at[busy].set(1)
-    out = run_ffi((x8, xs, w, ws, sizes), device)
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", kernel=kernel)
+    out = run_poisoned(fn, (8, n), jnp.bfloat16, (x8, xs, w, ws, sizes), device)
     check((x8, xs, w8, ws8, jnp.ones((8,), jnp.int32)), out, jnp.bfloat16)
 
 
@@ -190,8 +192,11 @@ def test_bad_options(rng):
         ops.w4a8_grouped_gemm(**a, impl="fast")
     with pytest.raises(ValueError, match="'out_dtype'"):
         ops.w4a8_grouped_gemm(**a, out_dtype=jnp.int32)
-    # The process survives and the op still works afterwards.
+    with pytest.raises(ValueError, match="w4a8_grouped_gemm: kernel='decode' runs 8-row units"):
+        ops.w4a8_grouped_gemm(**a, kernel="decode", tile_tokens=16)
+    # The process survives and the op still works afterwards (the decode kernel's plan on any handler).
     check(tuple(a.values()), np.asarray(ops.w4a8_grouped_gemm(**a).astype(jnp.float32)), jnp.bfloat16)
+    check(tuple(a.values()), np.asarray(ops.w4a8_grouped_gemm(**a, kernel="decode").astype(jnp.float32)), jnp.bfloat16)
 
 
 SCENARIOS = {
@@ -203,15 +208,16 @@ SCENARIOS = {
 }
 
 
-def _check_scenario_on_gpu(rng, device, scenario, **options):
+def _check_scenario_on_gpu(rng, device, scenario, scenarios=None, **options):
     """Both scale kinds and output dtypes of a scenario through the CUDA handler vs float64; padding rows 0."""
-    m, k, n, sizes = SCENARIOS[scenario]
+    m, k, n, sizes = (scenarios or SCENARIOS)[scenario]
     for scale_kind, w_scale_dtype, out_dtype in (("group", jnp.float32, jnp.bfloat16),
                                                  ("tensor", jnp.bfloat16, jnp.float32)):
         args = make_case(rng, m, k, n, sizes, scale_kind, w_scale_dtype)
         fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=out_dtype, impl="ffi", **options)
         out = run_poisoned(fn, (m, n), out_dtype, args, device)
         check(args, out, out_dtype, tensor_core=options.get("tile_tokens") != 0)
+        assert np.isfinite(out).all()
         covered = min(sum(max(s, 0) for s in sizes), m)
         assert (out[covered:] == 0).all()
 
@@ -224,6 +230,26 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     _check_scenario_on_gpu(rng, device, scenario, tile_tokens=tile_tokens)
+
+
+DECODE_SCENARIOS = {  # the decode kernel's units: runs of at most 8 rows of one expert
+    "top8-of-64": (8, 1024, 384, [0] * 10 + [1] + [0] * 20 + [1] * 7 + [0] * 26),
+    "partial-units": (61, 1024, 200, [7, 8, 9, 0, 16, 17, 1, 3]),  # units of 1 .. 8 rows, 200 columns (12.5 tiles)
+    "one-expert-all-rows": (96, 512, 64, [0, 0, 96]),  # 12 units of one expert
+    "more-experts-than-rows": (5, 256, 48, [0, 1, 0, 2, 0, 0, 1, 0, 1] + [0] * 23),
+    "sizes-past-m": (40, 384, 136, [30, -7, 2**31 - 1, 6]),  # the running end cut at M: expert 2 gets 10 rows
+    "all-padding": (24, 256, 32, [0, -1, 0]),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS) + sorted(DECODE_SCENARIOS))
+def test_decode_kernel_on_gpu(rng, device, scenario):
+    """The grouped decode kernel (kernel='decode': 8-row units found on the device, warp-level f16 MMAs, split
+    K over warps and clusters) vs float64, both scale kinds and output dtypes, padding rows 0."""
+    if device.platform != "gpu":
+        pytest.skip("the decode kernel exists on the CUDA handler only")
+    _check_scenario_on_gpu(rng, device, scenario, scenarios={**SCENARIOS, **DECODE_SCENARIOS}, kernel="decode")
 
 
 def _check_bf16_every_element(rng, device, m, k, n, sizes, routed, tile_tokens, mma, scale_kind):
@@ -275,9 +301,11 @@ def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_to
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "e4m3"), (16, "f16"), (32, "e4m3"), (32, "f16"),
-                                             (64, "e4m3"), (64, "f16"), (128, "e4m3"), (128, "f16")])
-def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma):
+@pytest.mark.parametrize("tile_tokens, mma, kernel", [(8, "f16", None), (16, "e4m3", None), (16, "f16", None),
+                                                     (32, "e4m3", None), (32, "f16", None), (64, "e4m3", None),
+                                                     (64, "f16", None), (128, "e4m3", None), (128, "f16", None),
+                                                     (8, "f16", "decode")])
+def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma, kernel):
     """Same inputs, 16 calls: every element of every call near float64, not just the norm.
 
     Guards the stage hand-back race (a consumer freeing a stage while its activation-scale loads were
@@ -292,7 +320,7 @@ def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma):
     ref = np_ref.grouped_gemm(*args)
     bound = 2e-3 * np.abs(ref).max(axis=1, keepdims=True)  # float32 output: typical errors are 1e-5 of it
     fn = jax.jit(functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi",
-                                   tile_tokens=tile_tokens, mma=mma))
+                                   tile_tokens=tile_tokens, mma=mma, kernel=kernel))
     first = None
     for call in range(16):
         out = np.asarray(fn(*args), np.float64)
@@ -312,9 +340,10 @@ def _assert_rows_close(out, ref):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (64, "f16"), (128, "f16"),
-                                             (16, "e4m3"), (32, "e4m3"), (128, "e4m3")])
-def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
+@pytest.mark.parametrize("tile_tokens, mma, kernel", [(8, "f16", None), (16, "f16", None), (32, "f16", None),
+                                                     (64, "f16", None), (128, "f16", None), (16, "e4m3", None),
+                                                     (32, "e4m3", None), (128, "e4m3", None), (8, "f16", "decode")])
+def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma, kernel):
     """Group scales far apart within a token, zero, negative and NaN, on the tensor-core kernels vs float64.
 
     The f16 path folds each group's scale into its f16 activations as a ratio to the token's largest scale
@@ -334,7 +363,8 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
     s[4] *= np.exp2(rng.uniform(-20, 0, 8))         # float32 ratios
     s[25] *= np.exp2(-4.0 * np.arange(8)[::-1])     # the largest scale in the last group (second expert)
     args = (x8, jnp.asarray(s), w, w_scale, gs)
-    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens, mma=mma)
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens, mma=mma,
+                           kernel=kernel)
     out = run_poisoned(fn, (m, n), jnp.float32, args, device)
     ref = np_ref.grouped_gemm(*args)
     assert np.isnan(out[2]).all()
@@ -346,10 +376,11 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile_tokens, mma", [(8, "f16"), (16, "f16"), (32, "f16"), (64, "f16"), (128, "f16"),
-                                             (16, "e4m3"), (32, "e4m3"), (128, "e4m3")])
+@pytest.mark.parametrize("tile_tokens, mma, kernel", [(8, "f16", None), (16, "f16", None), (32, "f16", None),
+                                                     (64, "f16", None), (128, "f16", None), (16, "e4m3", None),
+                                                     (32, "e4m3", None), (128, "e4m3", None), (8, "f16", "decode")])
 @pytest.mark.parametrize("n, split", [(256, True), (32768, False)], ids=["split-k", "whole-k"])
-def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mma, n, split):
+def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mma, kernel, n, split):
     """A token whose scales are all 0 gives exact zeros even where its unscaled sums overflow float32 (codes
     of 448 under weight scales near 1e35: never Inf * 0 = NaN), and a token with an infinite scale gives
     float64's +-Inf in every column (never NaN from Inf / Inf or from 0 * Inf in a split-K piece that misses
@@ -359,8 +390,8 @@ def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mm
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     m, k, sizes = 40, 512, [24, 16]
-    plan = tiling.plan_grouped_gemm(m, len(sizes), n, k, tile_tokens=tile_tokens, mma=mma)
-    assert (plan.split_k > 1) == split
+    plan = tiling.plan_grouped_gemm(m, len(sizes), n, k, tile_tokens=tile_tokens, mma=mma, kernel=kernel)
+    assert (plan.split_k > 1) == split or kernel == "decode"  # the decode kernel splits K within each tile
     _, _, w, w_scale, gs = make_case(rng, m, k, n, sizes)
     x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
     x[[3, 30]] = 448.0                                            # second expert too
@@ -371,7 +402,8 @@ def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mm
     s[7, 2] = -np.inf
     s[33, 0] = np.inf
     args = (x8, jnp.asarray(s), w, jnp.asarray(ws), gs)
-    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens, mma=mma)
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens, mma=mma,
+                           kernel=kernel)
     out = run_poisoned(fn, (m, n), jnp.float32, args, device)
     assert (out[3] == 0).all() and (out[30] == 0).all()
     ref = np_ref.grouped_gemm(*args)

@@ -24,19 +24,20 @@
 // neither read nor written.
 #include "fp8_decode_gemm.cuh"
 
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <mutex>
 
 #include "../common/formats.h"
+#include "decode_common.cuh"
 #include "hopper_gemm.cuh"
 #include "hopper_ptx.cuh"
 
 namespace jax_w4a8 {
 namespace {
 
-namespace cg = cooperative_groups;
+using decode::LoadStreamed;
+using decode::SplitKRange;
+using decode::SumSplitK;
 
 constexpr int kRows = 16;       // weight rows per warp (the MMA's M)
 constexpr int kMaxWarps = 4;    // warps per block
@@ -59,14 +60,6 @@ struct Operands {
   float sx[NT][2];  // tokens 8j + 2t, 8j + 2t + 1 (the accumulator's columns)
   uint4 x[NT][2];   // token 8j + g: the same bytes of the activations
 };
-
-__device__ __forceinline__ uint4 LoadStreamed(const uint8_t* p) {
-  uint4 r;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
 
 __device__ __forceinline__ float LoadScale(const void* s, bool ue8m0, int64_t idx) {
   return ue8m0 ? Ue8m0ToFloat(__ldg(static_cast<const uint8_t*>(s) + idx)) : __ldg(static_cast<const float*>(s) + idx);
@@ -183,50 +176,6 @@ __device__ __forceinline__ void StoreTile(const Fp8DecodeParams& p, int64_t tile
       if (p.out_bf16) static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(tot[j][i]);
       else static_cast<float*>(p.out)[idx] = tot[j][i];
     }
-}
-
-// Split K: the K groups [begin, end) of slice `slice` of `slices` (contiguous runs, in order).
-__device__ __forceinline__ void SplitKRange(int64_t groups, int slice, int slices, int64_t& begin, int64_t& end) {
-  begin = groups * slice / slices, end = groups * (slice + 1) / slices;
-}
-
-// Split K: sums the partial tiles of the block's warps in warp order, then those of the cluster's blocks in
-// rank order, into `tot` of rank 0's warp 0 (the one that stores). red: [kMaxWarps][4 NT][32] floats of the
-// block's shared memory, free for this (the caller has synchronized the block if it held anything else).
-template <int NT>
-__device__ __forceinline__ void SumSplitK(float* red, int warps, int warp, int lane, int cluster, int rank,
-                                          float (&tot)[NT][4]) {
-  constexpr int kWarpFloats = 4 * NT * 32;
-#pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) red[warp * kWarpFloats + (4 * j + i) * 32 + lane] = tot[j][i];
-  __syncthreads();
-  if (warp == 0) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        float s = tot[j][i];
-        for (int w = 1; w < warps; ++w) s += red[w * kWarpFloats + (4 * j + i) * 32 + lane];
-        tot[j][i] = s;
-        red[(4 * j + i) * 32 + lane] = s;
-      }
-  }
-  if (cluster > 1) {
-    cg::cluster_group cl = cg::this_cluster();
-    cl.sync();  // every block's sums are in its red[0]
-    if (rank == 0 && warp == 0) {
-      for (int r = 1; r < cluster; ++r) {
-        const float* remote = cl.map_shared_rank(red, r);
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) tot[j][i] += remote[(4 * j + i) * 32 + lane];
-      }
-    }
-    cl.sync();  // no block leaves while rank 0 reads its shared memory
-  }
 }
 
 constexpr int kDepth = 2;  // groups' loads in flight per warp

@@ -14,6 +14,7 @@
 #include "../common/groups.h"
 #include "hopper_gemm.cuh"
 #include "simple_tile.cuh"
+#include "w4a8_decode_gemm.cuh"
 #include "w4a8_grouped_cutlass.cuh"
 #include "xla/ffi/api/ffi.h"
 
@@ -153,7 +154,8 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
     return err;
   if (split_k < 1 || split_k > d.groups) return Invalid("w4a8_grouped_gemm", "split_k must be in [1, K/128]");
   if (mma != 0 && mma != 1) return Invalid("w4a8_grouped_gemm", "mma must be 0 (e4m3) or 1 (f16)");
-  if (kernel != 0 && kernel != 1) return Invalid("w4a8_grouped_gemm", "kernel must be 0 (native) or 1 (cutlass)");
+  if (kernel < 0 || kernel > 2)
+    return Invalid("w4a8_grouped_gemm", "kernel must be 0 (native), 1 (cutlass) or 2 (decode)");
   // Option errors are errors (the simple kernel below stands in only for what the platform cannot run).
   if (tile_tokens != 0 && tile_tokens != 8 && tile_tokens != 16 && tile_tokens != 32 && tile_tokens != 64 &&
       tile_tokens != 128)
@@ -162,6 +164,20 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
     return Invalid("w4a8_grouped_gemm", "tile_tokens 8 runs the f16 MMA (mma 1) only");
   if (d.m == 0) return ffi::Error::Success();
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
+  if (kernel == 2) {  // the decode kernel (w4a8_decode_gemm.cu): warp-level f16 MMAs, one launch, no scratch
+    if (tile_tokens != 8 || mma != 1)
+      return Invalid("w4a8_grouped_gemm", "kernel 'decode' runs 8-token units on the f16 MMA (tile_tokens 8, mma 1)");
+    if (const char* why = W4a8DecodeUnsupported(d.m, d.e); why != nullptr)
+      return Invalid("w4a8_grouped_gemm", std::string("kernel 'decode': ") + why);
+    if (!CurrentDeviceIsSm90()) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
+    const W4a8DecodeParams p{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const float*>(x_scale.untyped_data()),
+                             static_cast<int>(d.x_scale_kind), static_cast<const uint8_t*>(w.untyped_data()),
+                             w_scale.untyped_data(), d.w_scale_bf16, static_cast<const int32_t*>(group_sizes.untyped_data()),
+                             out->untyped_data(), d.out_bf16, d.m, d.n, d.k, d.e, d.groups};
+    if (cudaError_t err = LaunchW4a8Decode(p, stream); err != cudaSuccess)
+      return ffi::Error::Internal(std::string("w4a8_grouped_gemm: decode kernel failed: ") + cudaGetErrorString(err));
+    return ffi::Error::Success();
+  }
   if (kernel == 1) {  // CUTLASS's grouped FP8 GEMM on e4m3-converted weights (w4a8_grouped_cutlass.cu)
     if (!d.out_bf16) return Invalid("w4a8_grouped_gemm", "the CUTLASS kernel writes bfloat16 output only");
     if (const std::string u = W4a8CutlassUnsupported(d.m, d.e, d.n, d.k, experts_per_chunk); !u.empty())
@@ -228,6 +244,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8GroupedGemmCuda, jax_w4a8::W4a8GroupedGemmC
                                   .Attr<int32_t>("tile_tokens")
                                   .Attr<int32_t>("split_k")
                                   .Attr<int32_t>("mma")  // 0: e4m3 MMA, 1: f16 MMA
-                                  .Attr<int32_t>("kernel")  // 0: this library's kernels, 1: CUTLASS (prefill)
+                                  .Attr<int32_t>("kernel")  // 0: this library's kernels, 1: CUTLASS (prefill), 2: decode
                                   .Attr<int32_t>("experts_per_chunk"),  // CUTLASS: experts per weight conversion
                               {xla::ffi::Traits::kCmdBufferCompatible});
