@@ -139,6 +139,15 @@ products and one FMA per accumulator. The heuristic:
   (K 2048) 0.79 / 0.98 / 1.04 / 1.08 / 1.15 (before the staged epilogue the crossover was at 384 rows for
   gate+up, 256 for down). The converted weights live in the call's scratch, ``CUTLASS_WEIGHT_SCRATCH_BYTES``
   (1 GiB) at a time: more experts than fit run in chunks of a conversion and a GEMM each.
+* ``kernel="decode"`` (grouped GEMM, opt-in; ``ffi/cuda/w4a8_decode_gemm.cu``): for a few rows per expert,
+  e.g. a batch-1 decode step's 8 rows on 8 of 256 experts. Runs of at most 8 rows of one expert are the units;
+  the grid provides for :func:`decode_unit_bound` of them and each block finds its unit from ``group_sizes``
+  on the device. Each warp owns 16 weight rows, reads their int4 codes and the unit's activations straight
+  from global memory (no preparation kernel, no scratch, one launch), converts both to f16 exactly and runs
+  ``mma.sync`` m16n8k16; the K groups split over the block's warps and a cluster of blocks as in the einsum's
+  decode kernel. Motivation (H200, ``ncu``, the plan's kernel): the batch-1 step's gate+up reads its 117 MB
+  in 50.6-52.3 us plus a 4.2 us preparation (2.2 TB/s), its down projection 59 MB in 32.3 + 3.0 us, where the
+  einsum's decode kernel reads o_proj's 117 MB in 32.9 us. Not yet timed on a GPU: the plan does not choose it.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 

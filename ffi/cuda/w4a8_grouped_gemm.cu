@@ -163,7 +163,6 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (kernel == 0 && mma == 0 && tile_tokens == 8)
     return Invalid("w4a8_grouped_gemm", "tile_tokens 8 runs the f16 MMA (mma 1) only");
   if (d.m == 0) return ffi::Error::Success();
-  if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
   if (kernel == 2) {  // the decode kernel (w4a8_decode_gemm.cu): warp-level f16 MMAs, one launch, no scratch
     if (tile_tokens != 8 || mma != 1)
       return Invalid("w4a8_grouped_gemm", "kernel 'decode' runs 8-token units on the f16 MMA (tile_tokens 8, mma 1)");
@@ -178,6 +177,7 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
       return ffi::Error::Internal(std::string("w4a8_grouped_gemm: decode kernel failed: ") + cudaGetErrorString(err));
     return ffi::Error::Success();
   }
+  if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
   if (kernel == 1) {  // CUTLASS's grouped FP8 GEMM on e4m3-converted weights (w4a8_grouped_cutlass.cu)
     if (!d.out_bf16) return Invalid("w4a8_grouped_gemm", "the CUTLASS kernel writes bfloat16 output only");
     if (const std::string u = W4a8CutlassUnsupported(d.m, d.e, d.n, d.k, experts_per_chunk); !u.empty())
