@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cooperative_groups.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 
@@ -10,6 +11,10 @@ namespace jax_w4a8 {
 namespace decode {
 
 namespace cg = cooperative_groups;
+
+constexpr int kRows = 16;       // weight rows per warp (the MMA's M)
+constexpr int kMaxWarps = 4;    // warps per block
+constexpr int kMaxCluster = 8;  // portable cluster size
 
 // 16 bytes read once: past L1 (no allocation), through the non-coherent path.
 __device__ __forceinline__ uint4 LoadStreamed(const uint8_t* p) {
@@ -62,6 +67,23 @@ __device__ __forceinline__ void SumSplitK(float* red, int warps, int warp, int l
     }
     cl.sync();  // no block leaves while rank 0 reads its shared memory
   }
+}
+
+// A launch of `grid` blocks of `warps` warps in clusters of `cluster` blocks along x (the split-K kernels' ranks);
+// the config points at `attr`, which holds the cluster dimension.
+inline cudaLaunchConfig_t ClusterLaunchConfig(dim3 grid, int warps, int cluster, cudaStream_t stream,
+                                              cudaLaunchAttribute& attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(static_cast<unsigned>(32 * warps));
+  cfg.stream = stream;
+  attr.id = cudaLaunchAttributeClusterDimension;
+  attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attr.val.clusterDim.y = 1;
+  attr.val.clusterDim.z = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  return cfg;
 }
 
 }  // namespace decode

@@ -35,13 +35,7 @@
 namespace jax_w4a8 {
 namespace {
 
-using decode::LoadStreamed;
-using decode::SplitKRange;
-using decode::SumSplitK;
-
-constexpr int kRows = 16;       // weight rows per warp (the MMA's M)
-constexpr int kMaxWarps = 4;    // warps per block
-constexpr int kMaxCluster = 8;  // portable cluster size
+using namespace decode;  // NOLINT(build/namespaces): the decode kernels' shared helpers and sizes
 
 // How a launch spreads the work (PlanFp8Decode).
 struct Fp8DecodeLaunch {
@@ -473,19 +467,11 @@ cudaError_t PreferSharedCarveout() {
 
 template <int NT>
 cudaError_t Launch(const Fp8DecodeParams& p, const Fp8DecodeLaunch& plan, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
   const int64_t tiles_n = (p.n + kRows - 1) / kRows;
-  cfg.gridDim = plan.whole_tiles ? dim3(static_cast<unsigned>(plan.blocks))
-                                 : dim3(static_cast<unsigned>(tiles_n * plan.cluster), static_cast<unsigned>(p.h));
-  cfg.blockDim = dim3(static_cast<unsigned>(32 * plan.warps));
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  const dim3 grid = plan.whole_tiles ? dim3(static_cast<unsigned>(plan.blocks))
+                                     : dim3(static_cast<unsigned>(tiles_n * plan.cluster), static_cast<unsigned>(p.h));
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = decode::ClusterLaunchConfig(grid, plan.warps, plan.cluster, stream, attr);
   if constexpr (NT == 1) {  // the staged kernel is built for one token tile (PlanFp8Decode takes it only there)
     if (plan.staged) {
       if (cudaError_t e = PreferSharedCarveout(); e != cudaSuccess) return e;

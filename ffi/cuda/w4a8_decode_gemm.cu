@@ -34,14 +34,9 @@
 namespace jax_w4a8 {
 namespace {
 
-using decode::LoadStreamed;
-using decode::SplitKRange;
-using decode::SumSplitK;
+using namespace decode;  // NOLINT(build/namespaces): the decode kernels' shared helpers and sizes
 
-constexpr int kRows = 16;                   // weight rows per warp (the MMA's M)
 constexpr int kTokens = kW4a8DecodeTokens;  // token rows per unit (the MMA's N)
-constexpr int kMaxWarps = 4;                // warps per block
-constexpr int kMaxCluster = 8;              // portable cluster size
 constexpr int kDepth = 4;                   // K groups' loads in flight per warp (64 bytes of 16 rows each)
 constexpr int kGroupBytes = 64;             // int4 bytes of a row per 128-K group
 constexpr int kSizesPerPass = 256;          // group_sizes loaded at once by a warp (8 per lane)
@@ -279,17 +274,9 @@ const char* W4a8DecodeUnsupported(int64_t m, int64_t e) {
 cudaError_t LaunchW4a8Decode(const W4a8DecodeParams& p, cudaStream_t stream) {
   const int64_t units = W4a8DecodeUnitBound(p.m, p.e);
   const Plan plan = PlanW4a8Decode(units, p.n, p.groups, CurrentSmCount());
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>((p.n + kRows - 1) / kRows * plan.cluster), static_cast<unsigned>(units));
-  cfg.blockDim = dim3(static_cast<unsigned>(32 * plan.warps));
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(plan.cluster);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const dim3 grid(static_cast<unsigned>((p.n + kRows - 1) / kRows * plan.cluster), static_cast<unsigned>(units));
+  cudaLaunchConfig_t cfg = decode::ClusterLaunchConfig(grid, plan.warps, plan.cluster, stream, attr);
   return cudaLaunchKernelEx(&cfg, W4a8DecodeKernel<kDepth>, p, plan.cluster);
 }
 
