@@ -338,13 +338,13 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     ``mma`` None picks the operand format from the tile (module docstring); "e4m3" or "f16" forces it
     ("e4m3" without ``tile_tokens`` keeps the plan off the f16-only 8-token tile).
     ``kernel``: None lets the plan choose (the CUTLASS path for bfloat16 output from
-    :func:`cutlass_grouped_min_rows` expected rows per expert, when built with it); "cutlass" or "native"
-    forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
+    :func:`cutlass_grouped_min_rows` expected rows per expert, when built with it); "cutlass", "native" or
+    "decode" (opt-in: 8-row units, :func:`decode_unit_bound`) forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
     ``split_k``: force this library's kernels' K split (1: whole tiles; more: stream-K with at most that many
     pieces per tile), for probes of the heuristic (``benchmarks/profile_case.py --split-k``); ignored by CUTLASS.
     Raises ValueError naming ``tile_tokens``, ``mma``, ``kernel`` or ``split_k`` (unknown value; "f16" with
-    tile 0, the plain CUDA-core kernel; "e4m3" with tile 8; a kernel choice these shapes cannot run; a split
-    outside [1, K/128]).
+    tile 0, the plain CUDA-core kernel; "e4m3" with tile 8; a kernel choice these shapes cannot run, "decode"
+    with another tile, MMA or split included; a split outside [1, K/128]).
     """
     if kernel not in (None,) + GROUPED_KERNELS:
         raise ValueError(f"argument 'kernel' must be None or one of {GROUPED_KERNELS}, got {kernel!r}")

@@ -30,6 +30,7 @@
 #include "hopper_gemm.cuh"
 #include "hopper_ptx.cuh"
 #include "int4_f16.cuh"
+#include "simple_tile.cuh"
 
 namespace jax_w4a8 {
 namespace {
@@ -169,11 +170,6 @@ __device__ __forceinline__ void ComputeGroup(const Operands& q, float (&tot)[4])
   tot[3] += c[3] * (q.sw[1] * q.sx[1]);
 }
 
-__device__ __forceinline__ void Store(const W4a8DecodeParams& p, int64_t idx, float v) {
-  if (p.out_bf16) static_cast<uint16_t*>(p.out)[idx] = FloatToBf16Bits(v);
-  else static_cast<float*>(p.out)[idx] = v;
-}
-
 template <int D>
 __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodeParams p, int cluster) {
   __shared__ float red[kMaxWarps][4][32];
@@ -189,7 +185,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodePar
     const int64_t pad = p.m - total;
     for (int64_t i = lane; i < pad * kRows; i += 32) {
       const int64_t col = r0 + i % kRows;
-      if (col < p.n) Store(p, (total + i / kRows) * p.n + col, 0.0f);
+      if (col < p.n) simple::Store(p.out, p.out_bf16, (total + i / kRows) * p.n + col, 0.0f);
     }
   }
   if (unit.rows == 0) return;  // past the last unit (the whole cluster: same unit)
@@ -240,7 +236,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodePar
   for (int i = 0; i < 4; ++i) {
     const int j = 2 * t + (i & 1);
     const int64_t col = r0 + g + 8 * (i >> 1);
-    if (j < unit.rows && col < p.n) Store(p, static_cast<int64_t>(unit.row0 + j) * p.n + col, tot[0][i]);
+    if (j < unit.rows && col < p.n) simple::Store(p.out, p.out_bf16, static_cast<int64_t>(unit.row0 + j) * p.n + col, tot[0][i]);
   }
 }
 
