@@ -116,9 +116,10 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         int4 weights of experts with rows converted to e4m3 once per call, exactly, then CUTLASS's
         grouped FP8 GEMM with per-row scales; bfloat16 output, N a multiple of 8; its scratch holds up
         to ``tiling.CUTLASS_WEIGHT_SCRATCH_BYTES`` of converted weights at a time) or "decode" (a few
-        rows per expert: runs of at most 8 rows of one expert found from ``group_sizes`` on the device,
-        warp-level f16 MMAs on weights read straight from memory, one launch and no scratch; at most
-        65535 such runs for any ``group_sizes``, i.e. M + 7 min(E, M) <= 524280).
+        rows per expert: runs of at most ``tile_tokens`` = 8 or 16 rows of one expert (None: the plan
+        picks) found from ``group_sizes`` on the device, warp-level f16 MMAs on weights read straight
+        from memory, one launch and no scratch; at most 65535 such runs for any ``group_sizes``, i.e.
+        M + (tile_tokens - 1) min(E, M) <= 65535 tile_tokens).
         See :mod:`jax_w4a8.tiling`. None of these changes the result beyond float32 summation order
         (and, on the f16 MMA with float32 group scales that are not powers of two, one more rounding
         of each activation, 2^-11 relative: the group's scale is folded into its f16 activations; on
@@ -134,7 +135,7 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
       TypeError / ValueError naming the argument, at trace time, before any kernel runs; for ``kernel``:
       an unknown value, or "cutlass" together with ``tile_tokens`` / ``mma``, float32 output, N not a
       multiple of 8, a library built without CUTLASS or a GPU other than sm_90; "decode" with a
-      ``tile_tokens`` other than 8, ``mma`` other than "f16", or more rows than its grid provides for.
+      ``tile_tokens`` other than 8 or 16, ``mma`` other than "f16", or more rows than its grid provides for.
     """
     op = "w4a8_grouped_gemm"
     _check_impl(op, impl)

@@ -140,12 +140,15 @@ products and one FMA per accumulator. The heuristic:
   gate+up, 256 for down). The converted weights live in the call's scratch, ``CUTLASS_WEIGHT_SCRATCH_BYTES``
   (1 GiB) at a time: more experts than fit run in chunks of a conversion and a GEMM each.
 * ``kernel="decode"`` (grouped GEMM, opt-in; ``ffi/cuda/w4a8_decode_gemm.cu``): for a few rows per expert,
-  e.g. a batch-1 decode step's 8 rows on 8 of 256 experts. Runs of at most 8 rows of one expert are the units;
-  the grid provides for :func:`decode_unit_bound` of them and each block finds its unit from ``group_sizes``
-  on the device. Each warp owns 16 weight rows, reads their int4 codes and the unit's activations straight
-  from global memory (no preparation kernel, no scratch, one launch), converts both to f16 exactly and runs
-  ``mma.sync`` m16n8k16; the K groups split over the block's warps and a cluster of blocks as in the einsum's
-  decode kernel. Motivation (H200, ``ncu``, the plan's kernel): the batch-1 step's gate+up reads its 117 MB
+  e.g. a batch-1 decode step's 8 rows on 8 of 256 experts. Runs of at most ``tile_tokens`` (8 or 16) rows of one
+  expert are the units; the grid provides for :func:`decode_unit_bound` of them and each block finds its unit
+  from ``group_sizes`` on the device. Each warp owns 16 weight rows, reads their int4 codes and the unit's
+  activations straight from global memory (no preparation kernel, no scratch, one launch), converts both to
+  f16 exactly and runs ``mma.sync`` m16n8k16 (one or two 8-token tiles per converted weight fragment); the K
+  groups split over the block's warps and a cluster of blocks as in the einsum's decode kernel. 16-row units
+  read and convert the weights of an expert with 9 to 16 rows once instead of twice (the benchmark's 256 and
+  512 rows over 32 experts), at 157 registers and three K groups in flight; the plan's default is 16 where an
+  expert's expected rows plus two standard deviations pass 8. Motivation (H200, ``ncu``, the plan's kernel): the batch-1 step's gate+up reads its 117 MB
   in 50.6-52.3 us plus a 4.2 us preparation (2.2 TB/s), its down projection 59 MB in 32.3 + 3.0 us, where the
   einsum's decode kernel reads o_proj's 117 MB in 32.9 us. Not yet timed on a GPU: the plan does not choose it.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
@@ -268,7 +271,7 @@ def _busy_experts(m: int, e: int) -> float:
 
 MMAS = ("e4m3", "f16")  # tensor-core operand formats for int4 weights (index = the FFI attribute)
 GROUPED_KERNELS = ("native", "cutlass", "decode")  # index = the grouped GEMM handler's `kernel` attribute
-DECODE_UNIT_ROWS = 8  # the grouped decode kernel's rows per unit (w4a8_decode_gemm.cuh kW4a8DecodeTokens)
+DECODE_UNIT_ROWS = (8, 16)  # the grouped decode kernel's rows per unit (tile_tokens; w4a8_decode_gemm.cu)
 _DECODE_MAX_UNITS = 65535  # ... units it can provide for (one row of blocks each: W4a8DecodeUnsupported)
 # The grouped GEMM plan takes CUTLASS from this many expected rows per expert, by K bound (None: any K); 576 for
 # gate+up and down alike (H200: see docstring).
@@ -303,10 +306,12 @@ def _gpu_is_sm90() -> bool:
     return cc is None or str(cc) == "9.0"
 
 
-def decode_unit_bound(m: int, e: int) -> int:
-    """Units of at most 8 rows of one expert that any ``group_sizes`` can make of M rows over E experts (the
-    grouped decode kernel's grid rows; w4a8_decode_gemm.cu ``W4a8DecodeUnitBound``)."""
-    return max(1, -(-(m + 7 * min(e, m)) // DECODE_UNIT_ROWS))
+def decode_unit_bound(m: int, e: int, unit_rows: int = 8) -> int:
+    """Units of at most ``unit_rows`` (8 or 16) rows of one expert that any ``group_sizes`` can make of M rows
+    over E experts (the grouped decode kernel's grid rows; w4a8_decode_gemm.cu ``W4a8DecodeUnitBound``)."""
+    if unit_rows not in DECODE_UNIT_ROWS:
+        raise ValueError(f"argument 'unit_rows' must be one of {DECODE_UNIT_ROWS}, got {unit_rows!r}")
+    return max(1, -(-(m + (unit_rows - 1) * min(e, m)) // unit_rows))
 
 
 def cutlass_grouped_min_rows(k: int) -> int:
@@ -339,7 +344,8 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     ("e4m3" without ``tile_tokens`` keeps the plan off the f16-only 8-token tile).
     ``kernel``: None lets the plan choose (the CUTLASS path for bfloat16 output from
     :func:`cutlass_grouped_min_rows` expected rows per expert, when built with it); "cutlass", "native" or
-    "decode" (opt-in: 8-row units, :func:`decode_unit_bound`) forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
+    "decode" (opt-in: units of 8 or 16 rows of one expert, ``tile_tokens``; None picks 16 where an expert's
+    expected rows plus two standard deviations pass 8; :func:`decode_unit_bound`) forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
     ``split_k``: force this library's kernels' K split (1: whole tiles; more: stream-K with at most that many
     pieces per tile), for probes of the heuristic (``benchmarks/profile_case.py --split-k``); ignored by CUTLASS.
     Raises ValueError naming ``tile_tokens``, ``mma``, ``kernel`` or ``split_k`` (unknown value; "f16" with
@@ -351,16 +357,18 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     if kernel == "cutlass" and (tile_tokens is not None or mma is not None):
         raise ValueError("arguments 'tile_tokens' and 'mma' select this library's kernels; leave them None with "
                          "kernel='cutlass'")
-    if kernel == "decode" and (tile_tokens not in (None, 8) or mma not in (None, "f16") or split_k not in (None, 1)):
-        raise ValueError("kernel='decode' runs 8-row units on the f16 MMA without split-K tiles: leave "
-                         "'tile_tokens', 'mma' and 'split_k' None (or 8, 'f16', 1)")
+    if kernel == "decode" and ((tile_tokens is not None and tile_tokens not in DECODE_UNIT_ROWS)
+                               or mma not in (None, "f16") or split_k not in (None, 1)):
+        raise ValueError("kernel='decode' runs 8- or 16-row units on the f16 MMA without split-K tiles: leave "
+                         "'tile_tokens', 'mma' and 'split_k' None (or 8 / 16, 'f16', 1)")
     rows = rows_per_expert if rows_per_expert is not None else m / e
     if kernel == "decode":
-        units = decode_unit_bound(m, e)
+        unit_rows = tile_tokens if tile_tokens is not None else _tile_for(rows, True, DECODE_UNIT_ROWS)
+        units = decode_unit_bound(m, e, unit_rows)
         if units > _DECODE_MAX_UNITS:
             raise ValueError(f"argument 'kernel'='decode' provides for at most {_DECODE_MAX_UNITS} units of "
-                             f"{DECODE_UNIT_ROWS} rows; M = {m} rows over E = {e} experts can make {units}")
-        return GemmPlan(DECODE_UNIT_ROWS, 1, 0, units * math.ceil(n / 16), mma="f16", kernel="decode")
+                             f"{unit_rows} rows; M = {m} rows over E = {e} experts can make {units}")
+        return GemmPlan(unit_rows, 1, 0, units * math.ceil(n / 16), mma="f16", kernel="decode")
     if kernel == "cutlass" or (kernel is None and tile_tokens is None and mma is None
                                and rows >= cutlass_grouped_min_rows(k)):
         if cutlass is None:  # built with it, and a GPU that runs it (else the handler falls back to its plain

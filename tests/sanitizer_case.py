@@ -41,15 +41,18 @@ def main() -> int:
             args = (x8u, xsu) if folded else (x8, xs)
             args += (w, ws, jnp.asarray(sizes, jnp.int32))
             ok &= _grouped_gemm_ok(args, mma, tok, covered=min(sum(max(v, 0) for v in sizes), 45))
-        # the decode kernel: units of at most 8 rows found from group_sizes on the device, 70 rows (a partial
-        # 16-row tile), split K over a block's warps (two K groups)
-        ok &= _grouped_gemm_ok((x8, xs, w, ws, jnp.asarray(sizes, jnp.int32)), None, None,
-                               covered=min(sum(max(v, 0) for v in sizes), 45), kernel="decode")
+        # the decode kernel: units of at most 8 or 16 rows found from group_sizes on the device, 70 rows (a
+        # partial 16-row tile), split K over a block's warps (two K groups)
+        for unit_rows in (8, 16):
+            ok &= _grouped_gemm_ok((x8, xs, w, ws, jnp.asarray(sizes, jnp.int32)), None, unit_rows,
+                                   covered=min(sum(max(v, 0) for v in sizes), 45), kernel="decode")
     # the decode kernel split K over a cluster of 4 blocks (16 K groups, 4 units bound: 8 tiles of 16 rows), rows 24
-    # (a partial tile), an expert with more than 8 rows (two units)
-    wd, wsd = quant.quantize_w4(rng.standard_normal((2, 24, 2048)).astype(np.float32))
-    xd8, xsd = quant.quantize_fp8_groups(rng.standard_normal((12, 2048)).astype(np.float32))
-    ok &= _grouped_gemm_ok((xd8, xsd, wd, wsd, jnp.asarray([3, 9], jnp.int32)), None, None, covered=12, kernel="decode")
+    # (a partial tile), an expert with more than 8 rows (two 8-row units; one 16-row unit), one with more than 16
+    wd, wsd = quant.quantize_w4(rng.standard_normal((3, 24, 2048)).astype(np.float32))
+    xd8, xsd = quant.quantize_fp8_groups(rng.standard_normal((32, 2048)).astype(np.float32))
+    for unit_rows in (8, 16):
+        ok &= _grouped_gemm_ok((xd8, xsd, wd, wsd, jnp.asarray([3, 9, 20], jnp.int32)), None, unit_rows, covered=32,
+                               kernel="decode")
     # the wgmma kernels' staged epilogue (N a multiple of 8; token multipliers through the staging rows' padding
     # at 128-token e4m3 folded and 64 / 128-token f16 tiles): whole and partial units, a feature tile past F's
     # first 64-feature half; e4m3 plain and folded

@@ -100,18 +100,25 @@ def test_einsum_decode_kernel_issues_warp_mmas(functions):
 
 
 def test_grouped_decode_kernel_issues_warp_f16_mmas(functions):
-    """W4a8DecodeKernel (ops.w4a8_grouped_gemm kernel 'decode'): int4 weights streamed past L1 in 16-byte loads,
-    converted to f16 in registers with the activations (e4m3 -> f16 by F2FP), multiplied by mma.sync m16n8k16
-    (HMMA.16816.F32, 8 per K group and kDepth groups per loop turn); no local-memory access between the first
-    and last MMA (the few spilled values are the block's set-up)."""
-    found = [body for name, body in functions if "W4a8DecodeKernel" in name]
-    assert len(found) == 1
-    body = found[0]
-    assert body.count("HMMA.16816.F32") >= 8
-    assert "LDG.E.NA.128" in body and "F2FP.F16.E4M3.UNPACK_B" in body and "PRMT" in body
-    lines = body.splitlines()
-    mma = [i for i, t in enumerate(lines) if "HMMA.16816" in t]
-    assert not any(re.search(r"\b(STL|LDL)\b", t) for t in lines[mma[0]:mma[-1]])
+    """W4a8DecodeKernel<NT, depth> (ops.w4a8_grouped_gemm kernel 'decode', 8- and 16-row units: NT = 1, 2 token
+    tiles): int4 weights streamed past L1 in 16-byte loads, converted to f16 in registers with the activations
+    (e4m3 -> f16 by F2FP), multiplied by mma.sync m16n8k16 (HMMA.16816.F32, 8 per K group and token tile, depth
+    groups per loop turn: 4 at 8 rows, 3 at 16); no local-memory access between the first and last MMA (the few
+    spilled values of the 8-row kernel are the block's set-up). The weights' int4 -> f16 conversion is shared by
+    both token tiles: the 16-row kernel has as many HADD2 / HFMA2 per group as the 8-row one."""
+    found = {int(re.search(r"W4a8DecodeKernelILi(\d)ELi(\d)E", name).group(1)): (int(re.search(
+        r"W4a8DecodeKernelILi(\d)ELi(\d)E", name).group(2)), body) for name, body in functions if "W4a8DecodeKernel" in name}
+    assert sorted(found) == [1, 2]
+    per_group = {}
+    for nt, (depth, body) in found.items():
+        assert body.count("HMMA.16816.F32") >= 8 * nt * depth, nt
+        assert "LDG.E.NA.128" in body and "F2FP.F16.E4M3.UNPACK_B" in body and "PRMT" in body, nt
+        lines = body.splitlines()
+        mma = [i for i, t in enumerate(lines) if "HMMA.16816" in t]
+        assert not any(re.search(r"\b(STL|LDL)\b", t) for t in lines[mma[0]:mma[-1]]), nt
+        loop = lines[mma[0]:mma[-1]]
+        per_group[nt] = sum(1 for t in loop if re.search(r"\b(HADD2|HFMA2)\b", t)) / sum(1 for t in loop if "HMMA" in t) * 8 * nt
+    assert per_group[2] == pytest.approx(per_group[1], rel=0.05), per_group
 
 
 def test_einsum_staged_decode_kernel_copies_rows_to_shared_memory(functions):

@@ -367,40 +367,65 @@ def test_plans_hold_the_scratch_the_cuda_handlers_check():
                 assert p.scratch_bytes == need if p.split_k == 1 else p.scratch_bytes >= need, (mh, h, n, k, p, need)
 
 
-def test_decode_kernel_unit_bound_holds_any_routing():
-    """The grouped decode kernel's grid provides for decode_unit_bound(M, E) units of at most 8 rows of one
-    expert: no clamped group_sizes of M rows over E experts makes more (random and adversarial ones)."""
-    rng = np.random.default_rng(0)
+@pytest.mark.parametrize("unit_rows", tiling.DECODE_UNIT_ROWS)
+def test_decode_kernel_unit_bound_holds_any_routing(unit_rows):
+    """The grouped decode kernel's grid provides for decode_unit_bound(M, E, R) units of at most R rows of one
+    expert: no clamped group_sizes of M rows over E experts makes more (random and adversarial ones), and the
+    worst case reaches it (one row on each of min(E, M) - 1 experts, the rest on one more: the most units M rows can make)."""
+    rng = np.random.default_rng()
 
     def units(sizes, m):
         end, total = 0, 0
         for s in sizes:
             new = min(end + min(max(s, 0), m), m)
-            total += -(-(new - end) // tiling.DECODE_UNIT_ROWS)
+            total += -(-(new - end) // unit_rows)
             end = new
         return total
 
-    for m, e in [(1, 1), (8, 256), (64, 32), (5, 32), (300, 6), (1000, 4096), (4096, 256)]:
-        bound = tiling.decode_unit_bound(m, e)
-        worst = [1] * min(e, m) + [0] * (e - min(e, m))  # one row per expert, then the rest on the last busy one
-        worst[min(e, m) - 1] += m - min(e, m)
+    for m, e in [(1, 1), (8, 256), (64, 32), (5, 32), (300, 6), (1000, 4096), (4096, 256), (512, 32)]:
+        bound = tiling.decode_unit_bound(m, e, unit_rows)
+        busy = min(e, m)
+        worst = [1] * busy + [0] * (e - busy)
+        worst[busy - 1] += m - busy
         assert units(worst, m) <= bound
         for _ in range(50):
             sizes = rng.multinomial(m, rng.dirichlet(np.full(e, 0.3))).tolist()
             assert units(sizes, m) <= bound, (m, e, sizes)
         assert units([2**31 - 1] * e, m) <= bound
-    assert tiling.decode_unit_bound(8, 256) == 8  # batch-1 top-8: no idle row of blocks
-    assert tiling.decode_unit_bound(0, 4) == 1
+        assert bound - units(worst, m) <= 1, (m, e, bound)  # the worst routing reaches the bound, or one less
+    assert tiling.decode_unit_bound(0, 4, unit_rows) == 1
+    with pytest.raises(ValueError, match="argument 'unit_rows'"):
+        tiling.decode_unit_bound(8, 4, 32)
+
+
+def test_decode_unit_bound_values():
+    """Exact values at the shapes that matter: batch-1 top-8 (8 rows on 8 of 256 experts) needs 8 units of
+    either size; the benchmark's 256 / 512 rows over 32 experts."""
+    assert [tiling.decode_unit_bound(8, 256, r) for r in (8, 16)] == [8, 8]
+    assert [tiling.decode_unit_bound(256, 32, r) for r in (8, 16)] == [60, 46]  # ceil((256 + 7 * 32) / 8), ...
+    assert [tiling.decode_unit_bound(512, 32, r) for r in (8, 16)] == [92, 62]
 
 
 def test_decode_kernel_plan_and_its_checks():
     p = tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="decode")
     assert (p.kernel, p.tile_tokens, p.mma, p.split_k, p.scratch_bytes) == ("decode", 8, "f16", 1, 0)
+    assert p.units == 8 * 256
     assert p == tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="decode", tile_tokens=8, mma="f16")
-    for bad in (dict(tile_tokens=16), dict(mma="e4m3"), dict(split_k=2)):
+    # 16-row units where an expert's expected rows plus two standard deviations pass 8
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, kernel="decode").tile_tokens == 8  # 2 rows per expert
+    assert tiling.plan_grouped_gemm(4, 1, 4096, 7168, kernel="decode").tile_tokens == 8  # 4 + 2 * 2 = 8
+    for m in (160, 256, 512):  # 5, 8, 16 rows per expert
+        p = tiling.plan_grouped_gemm(m, 32, 4096, 7168, kernel="decode")
+        assert (p.tile_tokens, p.units) == (16, tiling.decode_unit_bound(m, 32, 16) * 256), (m, p)
+    assert tiling.plan_grouped_gemm(512, 32, 4096, 7168, kernel="decode", rows_per_expert=1).tile_tokens == 8
+    assert tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="decode", tile_tokens=16).tile_tokens == 16
+    for bad in (dict(tile_tokens=32), dict(tile_tokens=0), dict(mma="e4m3"), dict(split_k=2)):
         with pytest.raises(ValueError, match="kernel='decode'"):
             tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="decode", **bad)
-    with pytest.raises(ValueError, match="argument 'kernel'='decode' provides for at most 65535 units"):
-        tiling.plan_grouped_gemm(1 << 19, 256, 128, 128, kernel="decode")
+    with pytest.raises(ValueError, match="argument 'kernel'='decode' provides for at most 65535 units of 8 rows"):
+        tiling.plan_grouped_gemm(1 << 19, 256, 128, 128, kernel="decode", tile_tokens=8)
+    assert tiling.plan_grouped_gemm(1 << 19, 256, 128, 128, kernel="decode").tile_tokens == 16  # fits in 16-row units
+    with pytest.raises(ValueError, match="argument 'kernel'='decode' provides for at most 65535 units of 16 rows"):
+        tiling.plan_grouped_gemm(1 << 20, 256, 128, 128, kernel="decode")
     with pytest.raises(ValueError, match="argument 'kernel'"):
         tiling.plan_grouped_gemm(8, 256, 4096, 7168, kernel="fast")

@@ -137,12 +137,12 @@ def test_deepseek_shape_on_gpu(rng, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "native", "decode"])
+@pytest.mark.parametrize("kernel, tile_tokens", [(None, None), ("native", None), ("decode", 8), ("decode", 16)])
 @pytest.mark.parametrize("n, k", [(4096, 7168), (7168, 2048)], ids=["gate_up", "down"])
-def test_batch1_decode_routing_on_gpu(rng, device, n, k, kernel):
+def test_batch1_decode_routing_on_gpu(rng, device, n, k, kernel, tile_tokens):
     """A batch-1 decode step's routed experts at DeepSeek-V3 widths: one token on 8 of 256 experts, one row
-    each (the plan's choice, the 8-token tile over mostly empty experts, and the decode kernel). The other
-    experts' weights are zeros; the reference is the same 8 rows on just their 8 experts."""
+    each (the plan's choice, the 8-token tile over mostly empty experts, and the decode kernel's 8- and 16-row
+    units). The other experts' weights are zeros; the reference is the same 8 rows on just their 8 experts."""
     if device.platform != "gpu":
         pytest.skip("GPU-sized case")
     e, busy = 256, np.sort(rng.choice(256, 8, replace=False))
@@ -151,7 +151,7 @@ def test_batch1_decode_routing_on_gpu(rng, device, n, k, kernel):
         w = jnp.zeros((e, n, k // 2), w8.dtype).at[busy].set(jnp.asarray(w8))
         ws = jnp.ones((e, n, k // 128), ws8.dtype).at[busy].set(jnp.asarray(ws8))
         sizes = jnp.zeros((e,), jnp.int32).at[busy].set(1)
-    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", kernel=kernel)
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", kernel=kernel, tile_tokens=tile_tokens)
     out = run_poisoned(fn, (8, n), jnp.bfloat16, (x8, xs, w, ws, sizes), device)
     check((x8, xs, w8, ws8, jnp.ones((8,), jnp.int32)), out, jnp.bfloat16)
 
@@ -192,11 +192,13 @@ def test_bad_options(rng):
         ops.w4a8_grouped_gemm(**a, impl="fast")
     with pytest.raises(ValueError, match="'out_dtype'"):
         ops.w4a8_grouped_gemm(**a, out_dtype=jnp.int32)
-    with pytest.raises(ValueError, match="w4a8_grouped_gemm: kernel='decode' runs 8-row units"):
-        ops.w4a8_grouped_gemm(**a, kernel="decode", tile_tokens=16)
+    with pytest.raises(ValueError, match="w4a8_grouped_gemm: kernel='decode' runs 8- or 16-row units"):
+        ops.w4a8_grouped_gemm(**a, kernel="decode", tile_tokens=32)
     # The process survives and the op still works afterwards (the decode kernel's plan on any handler).
     check(tuple(a.values()), np.asarray(ops.w4a8_grouped_gemm(**a).astype(jnp.float32)), jnp.bfloat16)
-    check(tuple(a.values()), np.asarray(ops.w4a8_grouped_gemm(**a, kernel="decode").astype(jnp.float32)), jnp.bfloat16)
+    for unit_rows in (8, 16):
+        out = ops.w4a8_grouped_gemm(**a, kernel="decode", tile_tokens=unit_rows)
+        check(tuple(a.values()), np.asarray(out.astype(jnp.float32)), jnp.bfloat16)
 
 
 SCENARIOS = {
@@ -232,9 +234,10 @@ def test_every_tile_config_on_gpu(rng, device, scenario, tile_tokens):
     _check_scenario_on_gpu(rng, device, scenario, tile_tokens=tile_tokens)
 
 
-DECODE_SCENARIOS = {  # the decode kernel's units: runs of at most 8 rows of one expert
+DECODE_SCENARIOS = {  # the decode kernel's units: runs of at most 8 or 16 rows of one expert
     "top8-of-64": (8, 1024, 384, [0] * 10 + [1] + [0] * 20 + [1] * 7 + [0] * 26),
-    "partial-units": (61, 1024, 200, [7, 8, 9, 0, 16, 17, 1, 3]),  # units of 1 .. 8 rows, 200 columns (12.5 tiles)
+    "partial-units": (61, 1024, 200, [7, 8, 9, 0, 16, 17, 1, 3]),  # units of 1 .. 16 rows, 200 columns (12.5 tiles)
+    "long-experts": (150, 512, 96, [33, 15, 0, 47, 55]),  # several full units per expert, partial last ones
     "one-expert-all-rows": (96, 512, 64, [0, 0, 96]),  # 12 units of one expert
     "more-experts-than-rows": (5, 256, 48, [0, 1, 0, 2, 0, 0, 1, 0, 1] + [0] * 23),
     "sizes-past-m": (40, 384, 136, [30, -7, 2**31 - 1, 6]),  # the running end cut at M: expert 2 gets 10 rows
@@ -244,12 +247,14 @@ DECODE_SCENARIOS = {  # the decode kernel's units: runs of at most 8 rows of one
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS) + sorted(DECODE_SCENARIOS))
-def test_decode_kernel_on_gpu(rng, device, scenario):
-    """The grouped decode kernel (kernel='decode': 8-row units found on the device, warp-level f16 MMAs, split
-    K over warps and clusters) vs float64, both scale kinds and output dtypes, padding rows 0."""
+@pytest.mark.parametrize("unit_rows", [8, 16])
+def test_decode_kernel_on_gpu(rng, device, scenario, unit_rows):
+    """The grouped decode kernel (kernel='decode': 8- or 16-row units found on the device, warp-level f16 MMAs,
+    split K over warps and clusters) vs float64, both scale kinds and output dtypes, padding rows 0."""
     if device.platform != "gpu":
         pytest.skip("the decode kernel exists on the CUDA handler only")
-    _check_scenario_on_gpu(rng, device, scenario, scenarios={**SCENARIOS, **DECODE_SCENARIOS}, kernel="decode")
+    _check_scenario_on_gpu(rng, device, scenario, scenarios={**SCENARIOS, **DECODE_SCENARIOS}, kernel="decode",
+                           tile_tokens=unit_rows)
 
 
 def _check_bf16_every_element(rng, device, m, k, n, sizes, routed, tile_tokens, mma, scale_kind):
@@ -304,7 +309,7 @@ def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_to
 @pytest.mark.parametrize("tile_tokens, mma, kernel", [(8, "f16", None), (16, "e4m3", None), (16, "f16", None),
                                                      (32, "e4m3", None), (32, "f16", None), (64, "e4m3", None),
                                                      (64, "f16", None), (128, "e4m3", None), (128, "f16", None),
-                                                     (8, "f16", "decode")])
+                                                     (8, "f16", "decode"), (16, "f16", "decode")])
 def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma, kernel):
     """Same inputs, 16 calls: every element of every call near float64, not just the norm.
 
@@ -342,7 +347,8 @@ def _assert_rows_close(out, ref):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma, kernel", [(8, "f16", None), (16, "f16", None), (32, "f16", None),
                                                      (64, "f16", None), (128, "f16", None), (16, "e4m3", None),
-                                                     (32, "e4m3", None), (128, "e4m3", None), (8, "f16", "decode")])
+                                                     (32, "e4m3", None), (128, "e4m3", None), (8, "f16", "decode"),
+                                                     (16, "f16", "decode")])
 def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma, kernel):
     """Group scales far apart within a token, zero, negative and NaN, on the tensor-core kernels vs float64.
 
@@ -378,7 +384,8 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma, kernel)
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma, kernel", [(8, "f16", None), (16, "f16", None), (32, "f16", None),
                                                      (64, "f16", None), (128, "f16", None), (16, "e4m3", None),
-                                                     (32, "e4m3", None), (128, "e4m3", None), (8, "f16", "decode")])
+                                                     (32, "e4m3", None), (128, "e4m3", None), (8, "f16", "decode"),
+                                                     (16, "f16", "decode")])
 @pytest.mark.parametrize("n, split", [(256, True), (32768, False)], ids=["split-k", "whole-k"])
 def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mma, kernel, n, split):
     """A token whose scales are all 0 gives exact zeros even where its unscaled sums overflow float32 (codes

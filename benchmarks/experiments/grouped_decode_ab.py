@@ -1,4 +1,5 @@
-"""Timing-loop A/B on the H200: the plan's grouped GEMM vs kernel="decode" (and the 16-token tile) on decode shapes
+"""Timing-loop A/B on the H200: the plan's grouped GEMM vs kernel="decode" (8- and 16-row units) and the 16-token
+tile on decode shapes
 (batch-1 top-8 of 256 experts, 32 experts at 64-512 rows). Run from the repository root: python benchmarks/experiments/grouped_decode_ab.py"""
 import functools, sys
 import numpy as np
@@ -36,7 +37,9 @@ for name, m, e, n, k, routing in CASES:
     wbytes = len(busy) * n * k // 2
     ref = None
     line = f"{name:11s} busy {len(busy):3d} {wbytes / 1e6:6.1f} MB:"
-    for label, kw in (("plan", {}), ("decode", dict(kernel="decode")), ("t16", dict(tile_tokens=16)), ("native", dict(kernel="native"))):
+    for label, kw in (("plan", {}), ("decode8", dict(kernel="decode", tile_tokens=8)),
+                      ("decode16", dict(kernel="decode", tile_tokens=16)), ("t16", dict(tile_tokens=16)),
+                      ("native", dict(kernel="native"))):
         f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, **kw))
         try:
             t = C.bench(f, [(x8, xs, w, s, gs) for w, s in sets])

@@ -4,7 +4,8 @@
 // in one launch, with no scratch and no preparation kernel (SPEC 4.1: a fresh float32 accumulator per 128-K
 // group, both scales applied in float32 after it, one rounding to the output type).
 //
-// Units of work: the rows of each expert in runs of 8 (an expert with 11 rows has two units, of 8 and 3 rows).
+// Units of work: the rows of each expert in runs of 8 or 16 (the call's unit size; an expert with 11 rows has two
+// 8-row units, of 8 and 3 rows, or one 16-row unit).
 // Their number depends on group_sizes, which live on the device, so the grid provides for the most that any
 // group_sizes can make (W4a8DecodeUnitBound) and each block finds its unit with a scan of group_sizes (one
 // warp-wide pass per 32 experts, the sizes of 256 experts loaded at once); blocks past the last unit exit.
@@ -14,9 +15,11 @@
 // blocks of unit 0 write their zeros.
 //
 // Each warp owns 16 weight rows of its unit's expert (the M side of mma.sync m16n8k16 f16 -> f32) and the
-// unit's 8 tokens (the N side). Per 128-K group a thread loads 16 bytes of rows g and g + 8 (int4 codes
-// [32 t, 32 t + 32), t = lane % 4; past L1) and 32 bytes of token g's activations (the same K range, through
-// L1), kDepth groups in flight. The codes become f16 exactly (int4_f16.cuh, the f16 path's K order), the
+// unit's 8 or 16 tokens (the N side: NT tiles of 8). Per 128-K group a thread loads 16 bytes of rows g and g + 8
+// (int4 codes [32 t, 32 t + 32), t = lane % 4; past L1) and 32 bytes of token g's (and g + 8's) activations (the
+// same K range, through L1), kDepth groups in flight. A 16-token unit converts each weight fragment once for
+// two MMAs: an expert with 9 to 16 rows reads and converts its weights once instead of twice. The codes become
+// f16 exactly (int4_f16.cuh, the f16 path's K order), the
 // e4m3 activations f16 exactly (cvt.e4m3x2, two byte permutes per 8 codes put them in that order); f16
 // products are exact in the float32 accumulator.
 #include "w4a8_decode_gemm.cuh"
@@ -37,18 +40,21 @@ namespace {
 
 using namespace decode;  // NOLINT(build/namespaces): the decode kernels' shared helpers and sizes
 
-constexpr int kTokens = kW4a8DecodeTokens;  // token rows per unit (the MMA's N)
-constexpr int kDepth = 4;                   // K groups' loads in flight per warp (64 bytes of 16 rows each)
-constexpr int kGroupBytes = 64;             // int4 bytes of a row per 128-K group
-constexpr int kSizesPerPass = 256;          // group_sizes loaded at once by a warp (8 per lane)
+// K groups' loads in flight per warp (64 bytes of 16 rows each, and each token tile's 32 bytes per row): 4 for
+// 8-row units (128 registers), 3 for 16-row units (157 registers: three blocks per SM; 4 spilled at that size).
+template <int NT>
+constexpr int kDepth = NT == 1 ? 4 : 3;
+constexpr int kGroupBytes = 64;      // int4 bytes of a row per 128-K group
+constexpr int kSizesPerPass = 256;   // group_sizes loaded at once by a warp (8 per lane)
 
 struct Unit {
   int expert = 0, row0 = 0, rows = 0;  // rows == 0: no such unit
 };
 
-// Unit u (the u-th run of at most 8 rows of one expert, experts in order) and, with want_total, the clamped
-// total of rows. Every lane of the warp runs it and gets the same result. Sizes are clamped as everywhere
-// (common/groups.h): negative counts as 0, the running end cut at M. m < 2^30 (W4a8DecodeUnsupported).
+// Unit u (the u-th run of at most kTokens rows of one expert, experts in order) and, with want_total, the
+// clamped total of rows. Every lane of the warp runs it and gets the same result. Sizes are clamped as
+// everywhere (common/groups.h): negative counts as 0, the running end cut at M. m < 2^30 (W4a8DecodeUnsupported).
+template <int kTokens>
 __device__ Unit FindUnit(const W4a8DecodeParams& p, int u, int lane, bool want_total, int& total) {
   Unit r;
   const int m = static_cast<int>(p.m);
@@ -101,25 +107,28 @@ __device__ Unit FindUnit(const W4a8DecodeParams& p, int u, int lane, bool want_t
   return r;
 }
 
-// One K group's operands of one thread, as loaded.
+// One K group's operands of one thread, as loaded (NT token tiles of 8: token j of tile n is unit row 8 n + j).
+template <int NT>
 struct Operands {
-  uint4 w[2];   // rows g, g + 8: bytes [16 t, +16) of the group (codes [32 t, 32 t + 32))
-  uint4 x[2];   // token g: bytes [32 t, +32) of the group (the same K range)
-  float sw[2];  // rows g, g + 8
-  float sx[2];  // tokens 2 t, 2 t + 1 (the accumulator's columns)
+  uint4 w[2];       // rows g, g + 8: bytes [16 t, +16) of the group (codes [32 t, 32 t + 32))
+  uint4 x[NT][2];   // token g of each tile: bytes [32 t, +32) of the group (the same K range)
+  float sw[2];      // rows g, g + 8
+  float sx[NT][2];  // tokens 2 t, 2 t + 1 of each tile (the accumulators' columns)
 };
 
 // Where a warp's operands live.
+template <int NT>
 struct View {
   const uint8_t* wrow[2];  // rows g, g + 8 at byte 16 t (nullptr: past N)
   const float* swf[2];     // their float32 scales (or bfloat16 in swb)
   const uint16_t* swb[2];
-  const uint8_t* xrow;  // token g at byte 32 t (nullptr: past the unit's rows)
-  const float* sx[2];   // tokens 2 t, 2 t + 1: the scale of group 0 (nullptr: past the unit's rows)
-  int sx_stride;        // 1 (per group), 0 (per token or tensor)
+  const uint8_t* xrow[NT];  // token g of each tile at byte 32 t (nullptr: past the unit's rows)
+  const float* sx[NT][2];   // tokens 2 t, 2 t + 1 of each tile: the scale of group 0 (nullptr: past the unit's rows)
+  int sx_stride;            // 1 (per group), 0 (per token or tensor)
 };
 
-__device__ __forceinline__ void LoadGroup(const View& v, int64_t grp, Operands& q) {
+template <int NT>
+__device__ __forceinline__ void LoadGroup(const View<NT>& v, int64_t grp, Operands<NT>& q) {
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     if (v.wrow[i] != nullptr) {
@@ -130,15 +139,18 @@ __device__ __forceinline__ void LoadGroup(const View& v, int64_t grp, Operands& 
       q.sw[i] = 0.0f;
     }
   }
-  if (v.xrow != nullptr) {
-    const uint8_t* px = v.xrow + grp * kGroup;
-    q.x[0] = __ldg(reinterpret_cast<const uint4*>(px));
-    q.x[1] = __ldg(reinterpret_cast<const uint4*>(px + 16));
-  } else {
-    q.x[0] = q.x[1] = make_uint4(0, 0, 0, 0);
-  }
 #pragma unroll
-  for (int e = 0; e < 2; ++e) q.sx[e] = v.sx[e] != nullptr ? __ldg(v.sx[e] + grp * v.sx_stride) : 0.0f;
+  for (int n = 0; n < NT; ++n) {
+    if (v.xrow[n] != nullptr) {
+      const uint8_t* px = v.xrow[n] + grp * kGroup;
+      q.x[n][0] = __ldg(reinterpret_cast<const uint4*>(px));
+      q.x[n][1] = __ldg(reinterpret_cast<const uint4*>(px + 16));
+    } else {
+      q.x[n][0] = q.x[n][1] = make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int e = 0; e < 2; ++e) q.sx[n][e] = v.sx[n][e] != nullptr ? __ldg(v.sx[n][e] + grp * v.sx_stride) : 0.0f;
+  }
 }
 
 __device__ __forceinline__ uint32_t Word(const uint4& v, int i) { return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w; }
@@ -149,30 +161,40 @@ __device__ __forceinline__ uint32_t Permute(uint32_t a, uint32_t b, uint32_t sel
   return r;
 }
 
-// tot += this group's MMAs (a fresh float32 accumulator) times both scales. Word q of a row's chunk holds codes
-// 32 t + 8 q + j (j < 8) and makes K16 steps 2 q (codes j, j + 4 for j = 0, 1) and 2 q + 1 (j = 2, 3)
-// (Int4WordsToF16Fragments); the token's bytes 8 q .. 8 q + 7 (words 2 q, 2 q + 1) are permuted to the same
-// pairs, (0, 4) (1, 5) and (2, 6) (3, 7), and converted.
-__device__ __forceinline__ void ComputeGroup(const Operands& q, float (&tot)[4]) {
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+// tot += this group's MMAs (a fresh float32 accumulator per token tile) times both scales. Word q of a row's
+// chunk holds codes 32 t + 8 q + j (j < 8) and makes K16 steps 2 q (codes j, j + 4 for j = 0, 1) and 2 q + 1
+// (j = 2, 3) (Int4WordsToF16Fragments); a token's bytes 8 q .. 8 q + 7 (words 2 q, 2 q + 1) are permuted to the
+// same pairs, (0, 4) (1, 5) and (2, 6) (3, 7), and converted. The weight fragments serve every token tile.
+template <int NT>
+__device__ __forceinline__ void ComputeGroup(const Operands<NT>& q, float (&tot)[NT][4]) {
+  float c[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) c[n][0] = c[n][1] = c[n][2] = c[n][3] = 0.0f;
 #pragma unroll
   for (int w = 0; w < 4; ++w) {
     uint32_t a0[4], a1[4];
     Int4WordsToF16Fragments(Word(q.w[0], w), Word(q.w[1], w), a0, a1);
-    const uint32_t lo = Word(q.x[w / 2], 2 * (w % 2)), hi = Word(q.x[w / 2], 2 * (w % 2) + 1);
-    const uint32_t p0 = Permute(lo, hi, 0x5140u), p1 = Permute(lo, hi, 0x7362u);
-    sm90::MmaF16(c, a0, E4m3x2ToF16x2(p0), E4m3x2ToF16x2(p0 >> 16));
-    sm90::MmaF16(c, a1, E4m3x2ToF16x2(p1), E4m3x2ToF16x2(p1 >> 16));
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      const uint32_t lo = Word(q.x[n][w / 2], 2 * (w % 2)), hi = Word(q.x[n][w / 2], 2 * (w % 2) + 1);
+      const uint32_t p0 = Permute(lo, hi, 0x5140u), p1 = Permute(lo, hi, 0x7362u);
+      sm90::MmaF16(c[n], a0, E4m3x2ToF16x2(p0), E4m3x2ToF16x2(p0 >> 16));
+      sm90::MmaF16(c[n], a1, E4m3x2ToF16x2(p1), E4m3x2ToF16x2(p1 >> 16));
+    }
   }
-  tot[0] += c[0] * (q.sw[0] * q.sx[0]);
-  tot[1] += c[1] * (q.sw[0] * q.sx[1]);
-  tot[2] += c[2] * (q.sw[1] * q.sx[0]);
-  tot[3] += c[3] * (q.sw[1] * q.sx[1]);
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    tot[n][0] += c[n][0] * (q.sw[0] * q.sx[n][0]);
+    tot[n][1] += c[n][1] * (q.sw[0] * q.sx[n][1]);
+    tot[n][2] += c[n][2] * (q.sw[1] * q.sx[n][0]);
+    tot[n][3] += c[n][3] * (q.sw[1] * q.sx[n][1]);
+  }
 }
 
-template <int D>
+template <int NT, int D>
 __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodeParams p, int cluster) {
-  __shared__ float red[kMaxWarps][4][32];
+  constexpr int kTokens = 8 * NT;  // rows per unit
+  __shared__ float red[kMaxWarps][4 * NT][32];
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   // The cluster is (cluster, 1, 1) along x (Launch): its blocks share the unit and the row tile.
@@ -180,7 +202,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodePar
   const int64_t r0 = static_cast<int64_t>(blockIdx.x / cluster) * kRows;
   const bool zeroes = blockIdx.y == 0 && rank == 0 && warp == 0;
   int total = 0;
-  const Unit unit = FindUnit(p, static_cast<int>(blockIdx.y), lane, zeroes, total);
+  const Unit unit = FindUnit<kTokens>(p, static_cast<int>(blockIdx.y), lane, zeroes, total);
   if (zeroes) {  // padding rows [total, M) of this block's 16 columns
     const int64_t pad = p.m - total;
     for (int64_t i = lane; i < pad * kRows; i += 32) {
@@ -193,7 +215,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodePar
   int64_t g_begin, g_end;
   SplitKRange(p.groups, rank * warps + warp, cluster * warps, g_begin, g_end);
   const int64_t steps = g_end - g_begin;
-  View v;
+  View<NT> v;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int64_t row = r0 + g + 8 * i;
@@ -203,20 +225,25 @@ __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodePar
     v.swf[i] = ok && !p.w_scale_bf16 ? static_cast<const float*>(p.w_scale) + wr * p.groups : nullptr;
     v.swb[i] = ok && p.w_scale_bf16 ? static_cast<const uint16_t*>(p.w_scale) + wr * p.groups : nullptr;
   }
-  v.xrow = g < unit.rows ? p.x + static_cast<int64_t>(unit.row0 + g) * p.k + 32 * t : nullptr;
   v.sx_stride = p.x_scale_kind == static_cast<int>(XScaleKind::kGroup) ? 1 : 0;
 #pragma unroll
-  for (int e = 0; e < 2; ++e) {
-    const int j = 2 * t + e;
-    const int64_t row = unit.row0 + j;
-    v.sx[e] = j >= unit.rows ? nullptr
-              : p.x_scale_kind == static_cast<int>(XScaleKind::kTensor) ? p.x_scale
-              : p.x_scale_kind == static_cast<int>(XScaleKind::kToken)  ? p.x_scale + row
-                                                                        : p.x_scale + row * p.groups;
+  for (int n = 0; n < NT; ++n) {
+    v.xrow[n] = 8 * n + g < unit.rows ? p.x + static_cast<int64_t>(unit.row0 + 8 * n + g) * p.k + 32 * t : nullptr;
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int j = 8 * n + 2 * t + e;
+      const int64_t row = unit.row0 + j;
+      v.sx[n][e] = j >= unit.rows ? nullptr
+                   : p.x_scale_kind == static_cast<int>(XScaleKind::kTensor) ? p.x_scale
+                   : p.x_scale_kind == static_cast<int>(XScaleKind::kToken)  ? p.x_scale + row
+                                                                             : p.x_scale + row * p.groups;
+    }
   }
 
-  float tot[1][4] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-  Operands buf[D];
+  float tot[NT][4];
+#pragma unroll
+  for (int n = 0; n < NT; ++n) tot[n][0] = tot[n][1] = tot[n][2] = tot[n][3] = 0.0f;
+  Operands<NT> buf[D];
 #pragma unroll
   for (int d = 0; d < D; ++d)
     if (d < steps) LoadGroup(v, g_begin + d, buf[d]);
@@ -224,7 +251,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodePar
 #pragma unroll
     for (int d = 0; d < D; ++d) {
       if (it + d < steps) {
-        ComputeGroup(buf[d], tot[0]);
+        ComputeGroup(buf[d], tot);
         if (it + d + D < steps) LoadGroup(v, g_begin + it + d + D, buf[d]);
       }
     }
@@ -233,11 +260,14 @@ __global__ void __launch_bounds__(kMaxWarps * 32) W4a8DecodeKernel(W4a8DecodePar
   SumSplitK(&red[0][0][0], warps, warp, lane, cluster, rank, tot);
   if (rank != 0 || warp != 0) return;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const int j = 2 * t + (i & 1);
-    const int64_t col = r0 + g + 8 * (i >> 1);
-    if (j < unit.rows && col < p.n) simple::Store(p.out, p.out_bf16, static_cast<int64_t>(unit.row0 + j) * p.n + col, tot[0][i]);
-  }
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int j = 8 * n + 2 * t + (i & 1);
+      const int64_t col = r0 + g + 8 * (i >> 1);
+      if (j < unit.rows && col < p.n)
+        simple::Store(p.out, p.out_bf16, static_cast<int64_t>(unit.row0 + j) * p.n + col, tot[n][i]);
+    }
 }
 
 struct Plan {
@@ -257,23 +287,28 @@ Plan PlanW4a8Decode(int64_t units, int64_t n, int64_t groups, int sms) {
 
 }  // namespace
 
-int64_t W4a8DecodeUnitBound(int64_t m, int64_t e) {
-  // sum_e ceil(r_e / 8) <= sum over experts with rows of (r_e + 7) / 8 <= (M + 7 min(E, M)) / 8
-  return std::max<int64_t>(1, (m + 7 * std::min(e, m) + kTokens - 1) / kTokens);
+bool W4a8DecodeUnitRowsValid(int unit_rows) { return unit_rows == 8 || unit_rows == 16; }
+
+int64_t W4a8DecodeUnitBound(int64_t m, int64_t e, int unit_rows) {
+  // sum_e ceil(r_e / R) <= sum over experts with rows of (r_e + R - 1) / R <= (M + (R - 1) min(E, M)) / R
+  return std::max<int64_t>(1, (m + (unit_rows - 1) * std::min(e, m) + unit_rows - 1) / unit_rows);
 }
 
-const char* W4a8DecodeUnsupported(int64_t m, int64_t e) {
-  if (W4a8DecodeUnitBound(m, e) > 65535) return "it takes at most 65535 units of 8 rows (M + 7 min(E, M) <= 524280)";
+const char* W4a8DecodeUnsupported(int64_t m, int64_t e, int unit_rows) {
+  if (!W4a8DecodeUnitRowsValid(unit_rows)) return "its units hold 8 or 16 rows (tile_tokens 8 or 16)";
+  if (W4a8DecodeUnitBound(m, e, unit_rows) > 65535)
+    return "it takes at most 65535 units of work (M + (tile_tokens - 1) min(E, M) <= 65535 tile_tokens)";
   return nullptr;
 }
 
-cudaError_t LaunchW4a8Decode(const W4a8DecodeParams& p, cudaStream_t stream) {
-  const int64_t units = W4a8DecodeUnitBound(p.m, p.e);
+cudaError_t LaunchW4a8Decode(const W4a8DecodeParams& p, int unit_rows, cudaStream_t stream) {
+  const int64_t units = W4a8DecodeUnitBound(p.m, p.e, unit_rows);
   const Plan plan = PlanW4a8Decode(units, p.n, p.groups, CurrentSmCount());
   cudaLaunchAttribute attr;
   const dim3 grid(static_cast<unsigned>((p.n + kRows - 1) / kRows * plan.cluster), static_cast<unsigned>(units));
   cudaLaunchConfig_t cfg = decode::ClusterLaunchConfig(grid, plan.warps, plan.cluster, stream, attr);
-  return cudaLaunchKernelEx(&cfg, W4a8DecodeKernel<kDepth>, p, plan.cluster);
+  if (unit_rows == 16) return cudaLaunchKernelEx(&cfg, W4a8DecodeKernel<2, kDepth<2>>, p, plan.cluster);
+  return cudaLaunchKernelEx(&cfg, W4a8DecodeKernel<1, kDepth<1>>, p, plan.cluster);
 }
 
 }  // namespace jax_w4a8

@@ -9,8 +9,6 @@
 
 namespace jax_w4a8 {
 
-constexpr int kW4a8DecodeTokens = 8;  // rows of one expert per unit of work (the MMA's N)
-
 struct W4a8DecodeParams {
   const uint8_t* x;            // e4m3 [M, K]
   const float* x_scale;        // float32 [1], [M] or [M, G] (x_scale_kind)
@@ -24,13 +22,17 @@ struct W4a8DecodeParams {
   int64_t m, n, k, e, groups;
 };
 
-// Units of work the launch provides for (an upper bound on sum_e ceil(rows_e / 8) for any group_sizes).
-int64_t W4a8DecodeUnitBound(int64_t m, int64_t e);
+// Rows of one expert per unit of work (the MMA's N: one or two tiles of 8 tokens): 8 or 16.
+bool W4a8DecodeUnitRowsValid(int unit_rows);
 
-// Why the decode kernel cannot take these sizes (empty when it can): the grid holds one row of blocks per unit.
-const char* W4a8DecodeUnsupported(int64_t m, int64_t e);
+// Units of work the launch provides for (an upper bound on sum_e ceil(rows_e / unit_rows) for any group_sizes).
+int64_t W4a8DecodeUnitBound(int64_t m, int64_t e, int unit_rows);
+
+// Why the decode kernel cannot take these sizes (nullptr when it can): unit rows other than 8 or 16, or more
+// units than the grid's rows of blocks.
+const char* W4a8DecodeUnsupported(int64_t m, int64_t e, int unit_rows);
 
 // Runs out = grouped GEMM on the stream; the caller has checked shapes and W4a8DecodeUnsupported.
-cudaError_t LaunchW4a8Decode(const W4a8DecodeParams& p, cudaStream_t stream);
+cudaError_t LaunchW4a8Decode(const W4a8DecodeParams& p, int unit_rows, cudaStream_t stream);
 
 }  // namespace jax_w4a8

@@ -164,16 +164,16 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
     return Invalid("w4a8_grouped_gemm", "tile_tokens 8 runs the f16 MMA (mma 1) only");
   if (d.m == 0) return ffi::Error::Success();
   if (kernel == 2) {  // the decode kernel (w4a8_decode_gemm.cu): warp-level f16 MMAs, one launch, no scratch
-    if (tile_tokens != 8 || mma != 1)
-      return Invalid("w4a8_grouped_gemm", "kernel 'decode' runs 8-token units on the f16 MMA (tile_tokens 8, mma 1)");
-    if (const char* why = W4a8DecodeUnsupported(d.m, d.e); why != nullptr)
+    if ((tile_tokens != 8 && tile_tokens != 16) || mma != 1)
+      return Invalid("w4a8_grouped_gemm", "kernel 'decode' runs 8- or 16-row units on the f16 MMA (tile_tokens 8 or 16, mma 1)");
+    if (const char* why = W4a8DecodeUnsupported(d.m, d.e, tile_tokens); why != nullptr)
       return Invalid("w4a8_grouped_gemm", std::string("kernel 'decode': ") + why);
     if (!CurrentDeviceIsSm90()) return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
     const W4a8DecodeParams p{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const float*>(x_scale.untyped_data()),
                              static_cast<int>(d.x_scale_kind), static_cast<const uint8_t*>(w.untyped_data()),
                              w_scale.untyped_data(), d.w_scale_bf16, static_cast<const int32_t*>(group_sizes.untyped_data()),
                              out->untyped_data(), d.out_bf16, d.m, d.n, d.k, d.e, d.groups};
-    if (cudaError_t err = LaunchW4a8Decode(p, stream); err != cudaSuccess)
+    if (cudaError_t err = LaunchW4a8Decode(p, tile_tokens, stream); err != cudaSuccess)
       return ffi::Error::Internal(std::string("w4a8_grouped_gemm: decode kernel failed: ") + cudaGetErrorString(err));
     return ffi::Error::Success();
   }
