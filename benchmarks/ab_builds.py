@@ -5,7 +5,7 @@
 Each build is a folder that holds a `jax_w4a8` package with its compiled `_lib` modules: `.` for a checkout built
 in place (`cmake --install build` with `CMAKE_INSTALL_PREFIX=.`; an editable install keeps the modules
 elsewhere), or a copy of the package with a variant's modules in its `_lib`. Timings
-of one build move 5-17% between processes on the H200 (RESULTS.md, twenty-third session), so every build runs
+of one build move 5-17% between processes on the H200 (NOTEBOOK.md, twenty-third session), so every build runs
 in `--rounds` fresh processes, alternating (A B, then B A, ...; use an even number so that every build runs
 first equally often), each timing its cases `--timings` times; the summary gives each process's median, their
 median per build, each build's over the first build's, and whether the outputs' checksums equal the first

@@ -2,7 +2,7 @@
 // TMA boxes of 128 rows x W bytes (the int4 kernels' stage: W = 64, one K group), S stages in flight per
 // block, B blocks per SM, with and without 256-byte L2 promotion; LDG row segments (the fp8 einsum decode
 // kernel's pattern) with and without the L2::256B hint; contiguous LDG and cudaMemcpy as references.
-// Results: benchmarks/RESULTS.md (sixteenth session). Build and run on the GPU machine:
+// Results: benchmarks/NOTEBOOK.md (sixteenth session). Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -Iffi/cuda -o read_bandwidth benchmarks/read_bandwidth.cu && ./read_bandwidth
 #include <cuda.h>
 #include <cuda_runtime.h>

@@ -8,7 +8,7 @@
 // instruction, as a shared-memory stage for the MMAs would be filled) and "blockstage" (the block's warps
 // sharing one K stretch, 16 rows in flight per block; both added after the thirty-fourth session's runs, not
 // yet run); grid-stride contiguous loads as the reference.
-// Results: benchmarks/RESULTS.md (thirty-fourth session). Build and run on the GPU machine:
+// Results: benchmarks/NOTEBOOK.md (thirty-fourth session). Build and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -arch=sm_90a -o read_bandwidth_o_proj benchmarks/read_bandwidth_o_proj.cu && ./read_bandwidth_o_proj
 #include <cstdio>
 #include <cstdint>

@@ -4,7 +4,7 @@ layer, before and after XLA's optimizations (CSE merges identical calls), and th
     python benchmarks/step_inventory.py                 # 2 layers, small widths (seconds, CPU or GPU)
     python benchmarks/step_inventory.py --v3 --layers 1 # DeepSeek-V3 widths (weights made on the device)
 
-Every custom call is a node of XLA's command buffer of its own (a child graph: see benchmarks/RESULTS.md,
+Every custom call is a node of XLA's command buffer of its own (a child graph: see benchmarks/NOTEBOOK.md,
 thirty-sixth session), so their number per layer is what fusing ops reduces: 20 per layer before the
 thirty-seventh session, 17 since (one einsum for q_a and kv_a and one for a shared expert's gate and up, the
 SiLU product fused into the down projections' quantizer, the MoE tokens quantized once; the list is in

@@ -21,7 +21,7 @@
 //                activation fragments with ldmatrix and frees the stage once its operands are in
 //                registers, with the next group's MMAs in flight while a group is promoted (H200,
 //                decode: 5-10% faster than the n8 wgmma, whose warpgroup waits on every group's MMAs;
-//                benchmarks/RESULTS.md).
+//                benchmarks/NOTEBOOK.md).
 //   int4 e4m3 at 128-token tiles, activation scales folded (kFoldX): where every token's group scales differ
 //                by powers of two, the preparation folds their ratios into the e4m3 codes and the kernel
 //                promotes with total += sw(row, g) * partial, each token's scale applied after the K loop
