@@ -111,3 +111,58 @@ def test_no_token_dropping_when_one_expert_takes_all(rng):
                         lambda xs, gs: xs * 2.0, e)
     np.testing.assert_allclose(np.asarray(out), 2 * x, rtol=1e-6)
     np.testing.assert_array_equal(np.asarray(moe.sort_by_expert(jnp.asarray(ids), e).group_sizes), [n, 0, 0, 0])
+
+
+def test_ids_outside_the_experts_are_padding_and_add_nothing(rng):
+    """A slot whose id is outside [0, E) (negative, E, far past E) is sorted after every valid slot, counted by no
+    expert, and moe_apply ignores its row (even a NaN one): each token gets exactly its valid slots' sum."""
+    n, k, e, d = 12, 3, 5, 4
+    ids = _topk_ids(rng, n, k, e)
+    ids[0, 1], ids[3, 0], ids[7, 2], ids[8, 1] = -1, e, 1000, -(2**31)
+    valid = (ids >= 0) & (ids < e)
+    r = moe.sort_by_expert(jnp.asarray(ids), e)
+    sizes = np.asarray(r.group_sizes)
+    np.testing.assert_array_equal(sizes, np.bincount(ids[valid], minlength=e))
+    flat = ids.reshape(-1)
+    tail = np.asarray(r.order)[sizes.sum():]
+    assert sorted(tail.tolist()) == sorted(np.flatnonzero(~valid.reshape(-1)).tolist())
+    np.testing.assert_array_equal(flat[np.asarray(r.order)[:sizes.sum()]], np.repeat(np.arange(e), sizes))
+
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    w = rng.random((n, k)).astype(np.float32)
+
+    def experts_fn(xs, group_sizes):  # expert j scales its rows by j + 1; padding rows come out NaN
+        row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(xs.shape[0]), side="right")
+        return jnp.where((row_expert < e)[:, None], xs * (row_expert[:, None] + 1.0), jnp.nan)
+
+    out = np.asarray(jax.jit(lambda *a: moe.moe_apply(*a, experts_fn, e))(jnp.asarray(x), jnp.asarray(ids),
+                                                                          jnp.asarray(w)))
+    ref = np.zeros((n, d))
+    for t in range(n):
+        for j in range(k):
+            if valid[t, j]:
+                ref[t] += np.float64(w[t, j]) * x[t] * (ids[t, j] + 1)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_arguments_name_themselves(rng):
+    ids = jnp.asarray(_topk_ids(rng, 4, 2, 6))
+    x, w = jnp.ones((4, 8)), jnp.ones((4, 2))
+    fn = lambda xs, g: xs  # noqa: E731
+    with pytest.raises(TypeError, match="'topk_ids'"):
+        moe.sort_by_expert(ids.astype(jnp.float32), 6)
+    with pytest.raises(ValueError, match="'topk_ids'"):
+        moe.sort_by_expert(ids.reshape(-1), 6)
+    for bad in (0, -2, 2.0, True):
+        with pytest.raises(ValueError, match="'num_experts'"):
+            moe.sort_by_expert(ids, bad)
+    with pytest.raises(ValueError, match="'topk_weights'"):
+        moe.moe_apply(x, ids, jnp.ones((4, 3)), fn, 6)
+    with pytest.raises(ValueError, match="'x'"):
+        moe.moe_apply(jnp.ones((5, 8)), ids, w, fn, 6)
+    with pytest.raises(ValueError, match="'x'"):
+        moe.moe_apply((jnp.ones((4, 8)), jnp.ones((3, 1))), ids, w, lambda xs, g: xs[0], 6)
+    with pytest.raises(ValueError, match="'out_dtype'"):
+        moe.moe_apply(x, ids, w, fn, 6, out_dtype=jnp.float16)
+    assert moe.moe_apply(x, ids, w, fn, 6, out_dtype=jnp.bfloat16).dtype == jnp.bfloat16
