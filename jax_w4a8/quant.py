@@ -98,7 +98,14 @@ def unpack_int4(p):
     return out.astype(jnp.int8)
 
 
+def _check_size_arg(value, name: str, fn: str) -> int:
+    ok = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)) and value > 0
+    _require(ok, ValueError, f"{fn}: argument '{name}' must be a positive int, got {value!r}")
+    return int(value)
+
+
 def _split_groups(x, group_size: int, name: str, fn: str):
+    group_size = _check_size_arg(group_size, "group_size", fn)
     _require(x.ndim >= 1, ValueError, f"{fn}: {name} must have at least one axis")
     k = x.shape[-1]
     _require(group_size > 0 and k % group_size == 0, ValueError,
@@ -121,6 +128,8 @@ def quantize_w4(w, group_size: int = 128):
     _require(jnp.issubdtype(w.dtype, jnp.floating), TypeError,
              f"quantize_w4: w must be a float array, got dtype {w.dtype}")
     _require(w.ndim >= 2, ValueError, f"quantize_w4: w must be [..., N, K], got shape {w.shape}")
+    _require(w.shape[-1] % 2 == 0, ValueError,
+             f"quantize_w4: w must have an even K (two int4 codes per byte), got K = {w.shape[-1]}")
     g = _split_groups(w.astype(jnp.float32), group_size, "w", "quantize_w4")
     s = jnp.max(jnp.abs(g), axis=-1) / INT4_MAX
     safe = jnp.where(s > 0, s, 1.0)
@@ -129,8 +138,18 @@ def quantize_w4(w, group_size: int = 128):
 
 
 def dequantize_w4(packed, scales, dtype=jnp.float32):
-    """``unpack_int4(packed) * scales`` per group: [..., N, K//2], [..., N, G] -> dtype [..., N, K]."""
+    """``unpack_int4(packed) * scales`` per group: [..., N, K//2], [..., N, G] -> dtype [..., N, K] (G divides K).
+
+    Raises:
+      ValueError naming ``scales`` when its shape is not ``packed``'s leading axes plus G groups of K.
+    """
     q = unpack_int4(packed).astype(jnp.float32)
+    scales = jnp.asarray(scales)
+    k = q.shape[-1]
+    ok = (scales.ndim == q.ndim and tuple(scales.shape[:-1]) == tuple(q.shape[:-1]) and scales.shape[-1] > 0
+          and k % scales.shape[-1] == 0)
+    _require(ok, ValueError, f"dequantize_w4: argument 'scales' must have shape {tuple(q.shape[:-1])} + (G,) with "
+             f"G dividing K = {k} (one scale per row and group), got {tuple(scales.shape)}")
     g = q.reshape(*q.shape[:-1], scales.shape[-1], -1)
     return (g * scales.astype(jnp.float32)[..., None]).reshape(q.shape).astype(dtype)
 
@@ -212,7 +231,10 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
     """Per-token, per-``group_size``-channel fp8 quantization (DeepSeek ``act_quant``).
 
     ``amax = max(|x| over the group, 1e-4)``, ``s = amax / 448`` (rounded up to a power of two first
-    when ``ue8m0``), then ``x8 = e4m3(x / s)`` saturating.
+    when ``ue8m0``), then ``x8 = e4m3(x / s)`` saturating. Non-finite inputs, as the CUDA and CPU kernels
+    take them: a NaN element is left out of its group's amax (the kernels' max ignores NaN) and becomes a NaN
+    code; an infinite one makes its group's scale infinite, its own code NaN and the group's others 0. Either
+    way the GEMM rows that read them come out NaN: nothing non-finite upstream is turned into finite output.
 
     Args:
       x: float [..., K]; K a multiple of ``group_size``.
@@ -223,7 +245,8 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
     _require(jnp.issubdtype(x.dtype, jnp.floating), TypeError,
              f"quantize_fp8_groups: x must be a float array, got dtype {x.dtype}")
     g = _split_groups(x.astype(jnp.float32), group_size, "x", "quantize_fp8_groups")
-    s = _fp8_scale(jnp.max(jnp.abs(g), axis=-1), ue8m0)
+    a = jnp.abs(g)
+    s = _fp8_scale(jnp.max(jnp.where(jnp.isnan(a), 0.0, a), axis=-1), ue8m0)  # NaN ignored, as fmaxf
     return _to_fp8(g / s[..., None]).reshape(x.shape), s
 
 
@@ -251,6 +274,7 @@ def quantize_fp8_blocks(w, block: int = 128, ue8m0: bool = False):
     _require(jnp.issubdtype(w.dtype, jnp.floating), TypeError,
              f"quantize_fp8_blocks: w must be a float array, got dtype {w.dtype}")
     _require(w.ndim >= 2, ValueError, f"quantize_fp8_blocks: w must be [..., N, K], got {w.shape}")
+    block = _check_size_arg(block, "block", "quantize_fp8_blocks")
     n, k = w.shape[-2:]
     p = _pad_to(_pad_to(w.astype(jnp.float32), -1, block), -2, block)
     nb, kb = p.shape[-2] // block, p.shape[-1] // block

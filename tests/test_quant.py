@@ -246,3 +246,46 @@ def test_quantize_fp8_blocks_edges(rng, ue8m0):
     deq = np.asarray(quant.dequantize_fp8_blocks(q, s))
     big = np.repeat(np.repeat(np.asarray(s), 128, 0), 128, 1)[:n, :k]
     assert (np.abs(deq - w) <= np.abs(w) * 2.0 ** -4 + big * 2.0 ** -9 + 1e-30).all()
+
+
+def test_quantize_fp8_groups_non_finite_inputs_as_the_kernels_take_them(rng):
+    """NaN is left out of its group's amax (the CUDA / CPU kernels' max ignores it) and stays a NaN code; Inf makes
+    its group's scale Inf, its own code NaN and the others 0; the other groups are untouched (float64 statement)."""
+    x = rng.standard_normal((3, 384)).astype(np.float32)
+    x[0, 5], x[1, 130], x[2, 300] = np.nan, np.inf, -np.inf
+    codes, scales = quant.quantize_fp8_groups(jnp.asarray(x))
+    codes = np.asarray(codes.astype(jnp.float32))
+    scales = np.asarray(scales)
+    g = np.abs(x.astype(np.float64)).reshape(3, 3, 128)
+    amax = np.maximum(np.where(np.isnan(g), 0.0, g).max(-1), 1e-4)
+    np.testing.assert_allclose(scales, amax / 448, rtol=2e-7)
+    assert np.isnan(codes[0, 5]) and np.isfinite(np.delete(codes[0], 5)).all()
+    assert np.isinf(scales[1, 1]) and np.isinf(scales[2, 2]) and np.isfinite(np.delete(scales.reshape(-1), [4, 8])).all()
+    assert np.isnan(codes[1, 130]) and (np.delete(codes[1, 128:256], 2) == 0).all()
+    assert np.isnan(codes[2, 300]) and (np.delete(codes[2, 256:], 44) == 0).all()
+    for r, gi in ((0, 1), (0, 2), (1, 0), (2, 0), (2, 1)):  # untouched groups: the plain recipe
+        s = np.float32(np.maximum(np.abs(x[r, 128 * gi:128 * gi + 128]).max(), 1e-4) / 448)
+        ref = np.asarray(jnp.asarray(x[r, 128 * gi:128 * gi + 128] / s, jnp.float8_e4m3fn).astype(jnp.float32))
+        np.testing.assert_array_equal(codes[r, 128 * gi:128 * gi + 128], ref)
+
+
+@pytest.mark.parametrize("fn, kw, name", [(quant.quantize_w4, dict(group_size=0), "group_size"),
+                                          (quant.quantize_w4, dict(group_size=128.0), "group_size"),
+                                          (quant.quantize_w4, dict(group_size=True), "group_size"),
+                                          (quant.quantize_fp8_groups, dict(group_size=None), "group_size"),
+                                          (quant.quantize_fp8_blocks, dict(block=0), "block"),
+                                          (quant.quantize_fp8_blocks, dict(block=64.0), "block")])
+def test_size_arguments_are_positive_ints(fn, kw, name):
+    with pytest.raises(ValueError, match=f"argument '{name}' must be a positive int"):
+        fn(jnp.ones((4, 256)), **kw)
+
+
+def test_dequantize_w4_checks_the_scales_shape(rng):
+    w = rng.standard_normal((2, 4, 256)).astype(np.float32)
+    packed, scales = quant.quantize_w4(w)
+    np.testing.assert_allclose(np.asarray(quant.dequantize_w4(packed, scales)), w, atol=np.abs(w).max() / 7)
+    for bad in (scales[..., :0], scales[:1], scales[..., None], jnp.ones((2, 4, 3))):
+        with pytest.raises(ValueError, match="argument 'scales'"):
+            quant.dequantize_w4(packed, bad)
+    with pytest.raises(ValueError, match="even K"):
+        quant.quantize_w4(w[..., :9], group_size=3)
