@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -173,6 +174,17 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
+    # the sampling settings are checked here, before any model loads (generate() checks them again)
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if args.top_p is not None and not (0 < args.top_p <= 1):  # NaN fails the comparison too
+        p.error(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.top_k is not None and args.top_k < 1:
+        p.error(f"--top-k must be >= 1, got {args.top_k}")
+    if not 0 <= args.seed < 2**63:
+        p.error(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
+        p.error(f"--checkpoint {args.checkpoint}: no such directory")
 
     import jax
     import jax.numpy as jnp

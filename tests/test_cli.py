@@ -70,6 +70,27 @@ def test_missing_tokenizer_is_a_clear_error(capsys):
     assert "tokenizer.json" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args, what", [(["--temperature", "-1"], "--temperature"),
+                                        (["--temperature", "nan"], "--temperature"),
+                                        (["--top-p", "2"], "--top-p"), (["--top-p", "0"], "--top-p"),
+                                        (["--top-p", "nan"], "--top-p"), (["--top-k", "0"], "--top-k"),
+                                        (["--seed", "99999999999999999999"], "--seed"),
+                                        (["--checkpoint", "/nonexistent/dir"], "no such directory")])
+def test_bad_options_fail_before_any_model_loads(args, what, capsys, monkeypatch):
+    """Sampling settings and the checkpoint path are argparse errors (exit 2, usage line), raised before the
+    model loads: loading is made to fail loudly here, so a late check would show up as that error instead."""
+    import jax_w4a8.models.deepseek as ds
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the options were checked")
+
+    monkeypatch.setattr(ds, "load_checkpoint", no_load)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(args)
+    assert exc.value.code == 2
+    assert what in capsys.readouterr().err
+
+
 DEEPSEEK_V3_TEMPLATE = ("{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}"
                         "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
                         "{{'<｜User｜>' + message['content']}}{% endif %}{% endfor %}"

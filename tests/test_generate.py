@@ -326,8 +326,6 @@ def test_cache_is_bf16_latents(default_bf16):
         assert kv.shape == (3, 64, cfg.kv_lora_rank + cfg.qk_rope_head_dim) and kv.dtype == jnp.bfloat16
         assert kv.nbytes // (3 * 64) == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2
     assert cache.bytes_per_token_per_layer == (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2 == 384
-    # DeepSeek-V3: 576 values, 1152 bytes per token and layer
-    assert (512 + 64) * 2 == 1152
 
 
 def test_decode_step_donates_the_cache(default_bf16):
@@ -372,6 +370,15 @@ def test_bad_arguments(fp32_model):
         generate(fp32_model, [[0, 1], []], 2)
     with pytest.raises(ValueError, match="top_p"):
         generate(fp32_model, [[0, 1]], 2, temperature=1.0, top_p=0.0)
+    for bad in (dict(temperature=float("nan")), dict(temperature=float("inf")), dict(temperature=-0.5),
+                dict(temperature="1"), dict(top_p=float("nan")), dict(top_p=1.5), dict(top_k=0), dict(top_k=2.5),
+                dict(top_k=True)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            generate(fp32_model, [[0, 1]], 2, **bad)
+    with pytest.raises(TypeError, match="integer token ids"):
+        generate(fp32_model, [[1.5, 2]], 2)
+    with pytest.raises(TypeError, match="integer token ids"):
+        generate(fp32_model, np.array([[1.0, 2.0]]), 2)
     assert generate(fp32_model, [[0, 1], [2]], 0) == [[], []]
 
 

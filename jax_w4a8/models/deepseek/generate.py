@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import threading
 import time
 import warnings
@@ -385,15 +386,22 @@ class GenerateStats:
         return self.decode_s / self.decode_steps if self.decode_steps else float("nan")
 
 
+def _token_ids(r, what: str) -> np.ndarray:
+    a = np.asarray(r)
+    if a.size and not np.issubdtype(a.dtype, np.integer):  # 1.5 is no token id: never truncated silently
+        raise TypeError(f"generate: {what} must hold integer token ids, got dtype {a.dtype}")
+    return a
+
+
 def _as_rows(prompts, vocab: int) -> list[list[int]]:
     if isinstance(prompts, (np.ndarray, jax.Array)):
-        arr = np.asarray(prompts)
+        arr = _token_ids(prompts, "prompts")
         if arr.ndim != 2:
             raise ValueError(f"generate: prompts must be a [B, T] array or a list of token lists, got shape "
                              f"{arr.shape}")
         rows = [list(map(int, r)) for r in arr]
     else:
-        rows = [list(map(int, np.asarray(r).reshape(-1))) for r in prompts]
+        rows = [list(map(int, _token_ids(r, f"prompt {i}").reshape(-1))) for i, r in enumerate(prompts)]
     if not rows:
         raise ValueError("generate: no prompts")
     for i, r in enumerate(rows):
@@ -479,12 +487,13 @@ class Generator:
         rows = _as_rows(prompts, vocab)
         if max_new_tokens < 0:
             raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-        if temperature < 0:
-            raise ValueError(f"generate: temperature must be >= 0, got {temperature}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"generate: top_k must be >= 1 or None, got {top_k}")
-        if top_p is not None and not 0 < top_p <= 1:
-            raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p}")
+        if not (isinstance(temperature, (int, float, np.integer, np.floating)) and math.isfinite(temperature)
+                and temperature >= 0):
+            raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
+            raise ValueError(f"generate: top_k must be an int >= 1 or None, got {top_k!r}")
+        if top_p is not None and not (isinstance(top_p, (int, float, np.integer, np.floating)) and 0 < top_p <= 1):
+            raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")  # NaN fails the test
         if not 0 <= pad_token_id < vocab:
             raise ValueError(f"generate: pad_token_id {pad_token_id} outside [0, {vocab})")
         b = len(rows)
