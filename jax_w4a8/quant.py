@@ -172,7 +172,7 @@ def _ceil_exponent(x):
 
 
 def ceil_to_ue8m0(x):
-    """Rounds ``|x|`` up to a power of two, bit-exactly (SPEC section 2).
+    """Rounds ``|x|`` up to a power of two, bit-exactly (SPEC section 2); elementwise, any shape.
 
     ``2**ceil(log2|x|)`` as float32; 0 and subnormals give ``2**-126``, Inf and NaN ``2**127``.
     Exact powers of two are returned unchanged.
@@ -181,7 +181,7 @@ def ceil_to_ue8m0(x):
 
 
 def encode_ue8m0(x):
-    """float32 -> uint8 UE8M0 codes of ``ceil_to_ue8m0(x)``: the masked exponent byte.
+    """float32 -> uint8 UE8M0 codes of ``ceil_to_ue8m0(x)``: the masked exponent byte (elementwise, same shape).
 
     The code never is 0x00 or 0xFF. Non-powers of two round *up*, so quantize with
     ``ceil_to_ue8m0(scale)`` before encoding to keep the quantization and dequantization scales equal.
@@ -190,7 +190,7 @@ def encode_ue8m0(x):
 
 
 def decode_ue8m0(codes):
-    """uint8 or ``float8_e8m0fnu`` codes -> float32 ``2**(code - 127)``; code 0xFF gives NaN."""
+    """uint8 or ``float8_e8m0fnu`` codes -> float32 ``2**(code - 127)``, same shape; code 0xFF gives NaN."""
     codes = jnp.asarray(codes)
     if codes.dtype == jnp.float8_e8m0fnu:
         codes = jax.lax.bitcast_convert_type(codes, jnp.uint8)
@@ -203,7 +203,8 @@ def decode_ue8m0(codes):
 
 
 def is_ue8m0_exact(x):
-    """True where float32 ``x`` is exactly a UE8M0 value: positive, a power of two in [2**-126, 2**127]."""
+    """bool, same shape: True where float32 ``x`` is exactly a UE8M0 value, a positive power of two in
+    [2**-126, 2**127]."""
     b = _f32_bits(x)
     exp = (b >> 23) & 0xFF
     return ((b & jnp.uint32(0x807FFFFF)) == 0) & (exp >= 1) & (exp <= 254)
@@ -292,7 +293,8 @@ def dequantize_fp8_blocks(q, scales, block: int = 128, dtype=jnp.float32):
 
 
 def quantize_fp8_tensor(x, scale):
-    """Static per-tensor fp8: ``e4m3(clip(x / scale, -448, 448))``; ``scale`` a float32 scalar."""
+    """Static per-tensor fp8: ``e4m3(clip(x / scale, -448, 448))``: float [...] -> float8_e4m3fn [...], same shape;
+    ``scale`` a float32 scalar."""
     x = jnp.asarray(x)
     scale = jnp.asarray(scale, jnp.float32)
     _require(scale.size == 1, ValueError,

@@ -47,7 +47,8 @@ def _x_scale_per_group(x_scale, m: int, groups: int):
 
 
 def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bfloat16):
-    """SPEC 4.1 in fp32: see :func:`jax_w4a8.ops.w4a8_grouped_gemm` for shapes."""
+    """SPEC 4.1 in fp32: x e4m3 [M, K], x_scale scalar / [M] / [M, K/128], w packed int4 [E, N, K/2], w_scale
+    [E, N, K/128], group_sizes int32 [E] -> out_dtype [M, N] (details: :func:`jax_w4a8.ops.w4a8_grouped_gemm`)."""
     m, k = x.shape
     e, n, _ = w.shape
     groups = k // 128
@@ -69,7 +70,8 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
 
 
 def scale_to_f32(s):
-    """float32 scales pass through; uint8 / float8_e8m0fnu UE8M0 codes are decoded exactly."""
+    """Scales of any shape as float32, same shape: float32 passes through; uint8 / float8_e8m0fnu UE8M0 codes are
+    decoded exactly."""
     if s.dtype in (jnp.uint8, jnp.float8_e8m0fnu):
         return quant.decode_ue8m0(s)
     return s.astype(jnp.float32)
@@ -99,7 +101,9 @@ def fp8_einsum(x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16):
 
 
 def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None):
-    """The fused MoE up-projection, unfused in fp32 (see :func:`jax_w4a8.ops.w4a8_moe_up`).
+    """The fused MoE up-projection, unfused in fp32 (see :func:`jax_w4a8.ops.w4a8_moe_up`): x e4m3 [M, K] with
+    its scale, w13 packed int4 [E, 2I, K/2] (gate rows, then up rows) with w13_scale [E, 2I, K/128], group_sizes
+    int32 [E] -> (e4m3 [M, I], float32 [M, I/128] scales, or the static scalar ``down_input_scale``).
 
     ``h = silu(gate) * up`` from the float32 grouped GEMM (gate rows [0, I), up rows [I, 2I) of w13),
     then fp8 codes: per tensor with ``down_input_scale``, else per token and 128 channels with UE8M0

@@ -136,7 +136,11 @@ def forward(graphdef, state, input_ids, positions=None, return_hidden_states: bo
 
 def jit_forward(model: DeepseekV3ForCausalLM):
     """Splits ``model`` once and returns ``fn(input_ids, positions=None, return_hidden_states=False)``
-    running :func:`forward` (weights are jit arguments, not constants)."""
+    running :func:`forward` (weights are jit arguments, not constants).
+
+    ``input_ids``: int32 [B, T]; ``positions``: optional int32 [B, T] (default ``0 .. T - 1``, an exactly causal
+    mask); returns the logits [B, T, vocab] in the model's dtype, and with ``return_hidden_states`` also the
+    hidden states after the embedding and every layer, each [B, T, hidden]."""
     graphdef, state = nnx.split(model)
 
     def fn(input_ids, positions=None, return_hidden_states: bool = False):
