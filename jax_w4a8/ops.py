@@ -49,14 +49,35 @@ def _check_shape(op, arg, a, expected, what):
         _fail(op, arg, f"must have shape {tuple(expected)} ({what}), got {tuple(a.shape)}")
 
 
+def _check_group_sizes_dtype(op, group_sizes):
+    """``group_sizes`` of another integer width (NumPy's default int64, np.bincount's output) is refused before
+    ``jnp.asarray`` narrows it to int32, which would wrap sizes past 2**31 silently (x64 off)."""
+    dt = getattr(group_sizes, "dtype", None)
+    if dt is not None and jnp.dtype(dt) != jnp.int32:
+        _fail(op, "group_sizes", f"must have dtype int32, got {jnp.dtype(dt)} (convert with .astype(int32) "
+              "after checking the sizes fit)", TypeError)
+
+
 def _check_out_dtype(op, out_dtype):
-    dt = jnp.dtype(out_dtype)
+    try:
+        dt = jnp.dtype(out_dtype) if out_dtype is not None else None
+    except TypeError:
+        dt = None
+    if dt is None:
+        _fail(op, "out_dtype", f"must be bfloat16 or float32, got {out_dtype!r}")
     if dt == jnp.float16:
         _fail(op, "out_dtype", "must be bfloat16 or float32; float16 is refused because W4A8/FP8 "
               "GEMM outputs can exceed 65504 and overflow to Inf (sglang issue 8493)")
     if dt not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
         _fail(op, "out_dtype", f"must be bfloat16 or float32, got {dt}")
     return dt
+
+
+def _check_flag(op, arg, value) -> bool:
+    """A static bool option (Python or NumPy bool; not a traced value, not a string)."""
+    if not isinstance(value, (bool, np.bool_)):
+        _fail(op, arg, f"must be True or False (a static option), got {value!r}", TypeError)
+    return bool(value)
 
 
 def _check_impl(op, impl):
@@ -140,6 +161,7 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
     op = "w4a8_grouped_gemm"
     _check_impl(op, impl)
     out_dtype = _check_out_dtype(op, out_dtype)
+    _check_group_sizes_dtype(op, group_sizes)
     x, x_scale, w, w_scale, group_sizes = map(jnp.asarray, (x, x_scale, w, w_scale, group_sizes))
     _check_dtype(op, "x", x, [jnp.float8_e4m3fn])
     if x.ndim != 2:
@@ -257,6 +279,11 @@ def _parse_equation(equation: str) -> int:
                      f"got {equation!r}")
 
 
+def _raise_if_nan_code(codes, op, arg):
+    if (np.asarray(codes) == 0xFF).any():
+        raise ValueError(f"{op}: argument '{arg}' holds UE8M0 code 0xFF, which is NaN")
+
+
 def _scale_operand(op, arg, s, ue8m0, impl):
     if s.dtype in _SCALE_CODE_DTYPES:
         if _is_concrete(s):
@@ -286,9 +313,9 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     The contracted size (K or R) must be a multiple of 128; M, N, B, H, D are free.
 
     Scales: float32 multipliers, or UE8M0 codes (uint8 / ``float8_e8m0fnu``) applied as exact powers
-    of two. Code 0xFF (the format's NaN) is rejected for concrete arrays and by the CPU handler; under
-    ``jit`` on a GPU codes are not scanned (that would need a host sync), so a 0xFF code there yields
-    NaN like any NaN scale; this library's encoders never produce 0xFF. ``ue8m0=True`` declares
+    of two. Code 0xFF (the format's NaN) is rejected for concrete arrays, by the CPU handler and on the
+    reference path (a host callback under ``jit``); under ``jit`` on a GPU codes are not scanned (that would
+    need a host sync), so a 0xFF code there yields NaN like any NaN scale; this library's encoders never produce 0xFF. ``ue8m0=True`` declares
     float32 scales to be powers of two: they are packed into codes with a mask, and any value with
     sign or mantissa bits is rejected (never turned into NaN).
 
@@ -364,8 +391,16 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
         return call(*args, tile_tokens=np.int32(plan.tile_tokens), split_k=np.int32(plan.split_k),
                     kernel=np.int32(tiling.EINSUM_KERNELS.index(plan.kernel)))[0]
 
-    ref_fn = functools.partial(reference.fp8_einsum, out_dtype=out_dtype)
-    out = _dispatch(impl, cpu_fn, cuda_fn, ref_fn, x, x_scale, w, w_scale)
+    def ref_fn(xv, xs, wv, ws):
+        # The reference path scans traced codes as the CPU handler does (a host callback, as pack_ue8m0's
+        # reference path), so a 0xFF code is an error there too, not a silent NaN.
+        for arg, sv in (("x_scale", xs), ("w_scale", ws)):
+            if sv.dtype == jnp.uint8 and not _is_concrete(sv):
+                jax.debug.callback(functools.partial(_raise_if_nan_code, op=op, arg=arg), sv)
+        return reference.fp8_einsum(xv, xs, wv, ws, out_dtype=out_dtype)
+
+    out = _dispatch(impl, cpu_fn, cuda_fn, ref_fn, x, x_scale, w, w_scale,
+                    default=functools.partial(reference.fp8_einsum, out_dtype=out_dtype))
     return out[:, 0] if h is None else out
 
 
@@ -388,8 +423,10 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
     _check_impl(op, impl)
     x = jnp.asarray(x)
     _check_dtype(op, "x", x, [jnp.bfloat16, jnp.float32])
-    if not isinstance(group_size, int) or group_size <= 0:
+    if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, (int, np.integer)) or group_size <= 0:
         _fail(op, "group_size", f"must be a positive int, got {group_size!r}")
+    group_size = int(group_size)
+    ue8m0 = _check_flag(op, "ue8m0", ue8m0)
     if x.ndim < 1 or x.shape[-1] == 0 or x.shape[-1] % group_size:
         _fail(op, "x", f"must have its last axis a positive multiple of group_size={group_size}, got {x.shape}")
     ref_fn = functools.partial(quant.quantize_fp8_groups, group_size=group_size, ue8m0=ue8m0)
@@ -439,6 +476,7 @@ def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, impl="auto"):
     _check_dtype(op, "x", x, [jnp.bfloat16, jnp.float32])
     if x.ndim < 1 or x.shape[-1] == 0 or x.shape[-1] % 256:
         _fail(op, "x", f"must be [..., 2I] (gate, then up) with I a positive multiple of 128, got {x.shape}")
+    ue8m0 = _check_flag(op, "ue8m0", ue8m0)
     inter = x.shape[-1] // 2
     types = (jax.ShapeDtypeStruct(x.shape[:-1] + (inter,), jnp.float8_e4m3fn),
              jax.ShapeDtypeStruct(x.shape[:-1] + (inter // 128,), jnp.float32))
@@ -480,13 +518,13 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     to memory, up to 64 expected rows per expert. Above (where its 64-token tiles lose to the grouped
     GEMM's 128-token ones: 1.5x slower at 128 rows per expert), and elsewhere, the ops are composed: the
     grouped GEMM with bfloat16 output (gate and up rounded to bfloat16, up to 2^-8 relative, as in the unfused
-    sequence), then SiLU-mul and the quantizer in one pass (:func:`silu_mul_quantize_fp8_groups`; static
-    scale or I not a multiple of 128: one XLA fusion).
+    sequence), then SiLU-mul and the quantizer in one pass (:func:`silu_mul_quantize_fp8_groups`; with a static
+    scale: one XLA fusion). Dynamic scales need I a multiple of 128 (one scale per 128 channels).
 
     Args:
       x, x_scale, group_sizes: as :func:`w4a8_grouped_gemm`.
       w13: int8 packed int4 [E, 2I, K/2], gate rows first; w13_scale: float32/bfloat16 [E, 2I, K/128].
-      down_input_scale: optional float32 scalar.
+      down_input_scale: optional float32 scalar, positive and finite (checked where it is concrete).
       rows_per_expert, tile_tokens: the fused kernel's tile plan, as :func:`w4a8_grouped_gemm` (token
         tiles 8 (f16 only), 16, 32 or 64); mma: its tensor-core operand format, None (the plan: f16 up to
         64 rows per expert), "e4m3" (token tiles 16, 32, 64) or "f16" (all four); see
@@ -499,35 +537,49 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
       not owned by any expert give h = 0 (codes 0).
     Raises:
       TypeError / ValueError naming the argument, at trace time, before any kernel runs: bad shapes or
-      dtypes (as :func:`w4a8_grouped_gemm`), ``w13`` without gate and up halves, a non-scalar
-      ``down_input_scale``, an unknown ``tile_tokens``, ``mma`` or ``fused``, ``mma="e4m3"`` with an 8-token
-      tile, or ``tile_tokens`` / ``mma`` with ``fused=False``.
+      dtypes (as :func:`w4a8_grouped_gemm`, named as here: ``w13``, ``w13_scale``), ``w13`` without gate and up
+      halves or (dynamic scales) with I not a multiple of 128, a ``down_input_scale`` that is not a scalar or
+      (concrete) not positive and finite, an unknown ``tile_tokens``, ``mma`` or ``fused``, ``mma="e4m3"`` with
+      an 8-token tile, or ``tile_tokens`` / ``mma`` with ``fused=False``.
     """
     op = "w4a8_moe_up"
     _check_impl(op, impl)
+    _check_group_sizes_dtype(op, group_sizes)
     w13 = jnp.asarray(w13)
-    if w13.ndim != 3 or w13.shape[1] % 2:
+    if w13.ndim != 3 or w13.shape[1] % 2 or w13.shape[1] == 0:
         _fail(op, "w13", f"must be [E, 2I, K/2] with gate rows then up rows, got shape {w13.shape}")
     static = down_input_scale is not None
     if static:
-        down_input_scale = jnp.asarray(down_input_scale, jnp.float32)
+        try:
+            down_input_scale = jnp.asarray(down_input_scale, jnp.float32)
+        except (TypeError, ValueError):
+            _fail(op, "down_input_scale", f"must be a float32 scalar, got {down_input_scale!r}", TypeError)
         if down_input_scale.size != 1:
             _fail(op, "down_input_scale", f"must be a scalar, got shape {down_input_scale.shape}")
         down_input_scale = down_input_scale.reshape(())
+        if _is_concrete(down_input_scale):
+            v = float(down_input_scale)
+            if not (np.isfinite(v) and v > 0):
+                _fail(op, "down_input_scale", f"must be positive and finite (h / s is quantized), got {v}")
     inter = w13.shape[1] // 2
+    if not static and inter % 128:
+        _fail(op, "w13", f"must have I (half its rows) a multiple of 128 for dynamic scales (one per 128 "
+              f"channels), got I = {inter}; pass down_input_scale for a static scale")
 
     def unfused(ffi_impl):
         y = w4a8_grouped_gemm(x, x_scale, w13, w13_scale, group_sizes, impl=ffi_impl,
                               rows_per_expert=rows_per_expert)
         if static:
             return quant.quantize_fp8_tensor(_silu_mul(y), down_input_scale), down_input_scale
-        if inter % 128:  # the kernel's groups of 128 do not tile I: XLA
-            return _silu_mul_reference(y, ue8m0=True)
         return silu_mul_quantize_fp8_groups(y, ue8m0=True, impl=ffi_impl)
 
-    # Validation of every other argument happens here, at trace time; the plan options are checked on every
-    # path, also where the fused kernel does not run.
-    jax.eval_shape(lambda: unfused("reference"))
+    # Validation of every other argument happens here, at trace time (the grouped GEMM's errors renamed to this
+    # op's arguments); the plan options are checked on every path, also where the fused kernel does not run.
+    try:
+        jax.eval_shape(lambda: unfused("reference"))
+    except (TypeError, ValueError) as exc:
+        msg = str(exc).replace("w4a8_grouped_gemm:", f"{op}:").replace("argument 'w_scale'", "argument 'w13_scale'")
+        raise type(exc)(msg.replace("argument 'w'", "argument 'w13'")) from None
     m, k = x.shape
     e = w13.shape[0]
     try:
@@ -537,7 +589,7 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
         raise ValueError(f"{op}: {exc}") from None
     if impl == "reference":
         return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale)
-    if plan.kernel == "unfused" or inter % 128 or not _fused_up_supported(e):
+    if plan.kernel == "unfused" or inter % 128 or not _fused_up_supported(e):  # static scale, I % 128: composed
         return unfused(impl)
     x_scale = jnp.asarray(x_scale)
     if x_scale.size == 1 and x_scale.ndim <= 1:

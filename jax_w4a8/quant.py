@@ -234,8 +234,10 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
     ``amax = max(|x| over the group, 1e-4)``, ``s = amax / 448`` (rounded up to a power of two first
     when ``ue8m0``), then ``x8 = e4m3(x / s)`` saturating. Non-finite inputs, as the CUDA and CPU kernels
     take them: a NaN element is left out of its group's amax (the kernels' max ignores NaN) and becomes a NaN
-    code; an infinite one makes its group's scale infinite, its own code NaN and the group's others 0. Either
-    way the GEMM rows that read them come out NaN: nothing non-finite upstream is turned into finite output.
+    code (so the GEMM rows that read it come out NaN). An infinite element makes its group's amax infinite:
+    without ``ue8m0`` the scale is Inf, its own code NaN (Inf / Inf) and the group's others 0; with ``ue8m0`` the
+    scale is 2**127 (``ceil_to_ue8m0`` of Inf), its code saturates to +-448 and the others are 0, which is finite:
+    check activations upstream where that matters (``generate(check_finite=True)`` checks the logits).
 
     Args:
       x: float [..., K]; K a multiple of ``group_size``.
@@ -248,7 +250,10 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
     g = _split_groups(x.astype(jnp.float32), group_size, "x", "quantize_fp8_groups")
     a = jnp.abs(g)
     s = _fp8_scale(jnp.max(jnp.where(jnp.isnan(a), 0.0, a), axis=-1), ue8m0)  # NaN ignored, as fmaxf
-    return _to_fp8(g / s[..., None]).reshape(x.shape), s
+    y = g / s[..., None]
+    # Inf / 2**127 is Inf (then +-448) in IEEE division; XLA's CPU division multiplies by a flushed reciprocal
+    y = jnp.where(jnp.isinf(g) & jnp.isfinite(s)[..., None], g, y)
+    return _to_fp8(y).reshape(x.shape), s
 
 
 def _pad_to(x, axis: int, multiple: int):

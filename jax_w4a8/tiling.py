@@ -306,6 +306,25 @@ def _gpu_is_sm90() -> bool:
     return cc is None or str(cc) == "9.0"
 
 
+def _check_sizes(**sizes) -> None:
+    """The planners' shape arguments: non-negative ints (``m`` and ``h`` may be 0), the others at least 1, and K a
+    multiple of 128 (the kernels' K group)."""
+    for name, v in sizes.items():
+        low = 0 if name in ("m", "h") else 1
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+            raise ValueError(f"argument '{name}' must be an int >= {low}, got {v!r}")
+    if sizes["k"] % 128:
+        raise ValueError(f"argument 'k' must be a multiple of 128, got {sizes['k']}")
+
+
+def _check_rows(rows_per_expert) -> None:
+    if rows_per_expert is None:
+        return
+    ok = isinstance(rows_per_expert, (int, float, np.integer, np.floating)) and not isinstance(rows_per_expert, bool)
+    if not ok or not math.isfinite(rows_per_expert) or rows_per_expert < 0:
+        raise ValueError(f"argument 'rows_per_expert' must be None or a finite number >= 0, got {rows_per_expert!r}")
+
+
 def decode_unit_bound(m: int, e: int, unit_rows: int = 8) -> int:
     """Units of at most ``unit_rows`` (8 or 16) rows of one expert that any ``group_sizes`` can make of M rows
     over E experts (the grouped decode kernel's grid rows; w4a8_decode_gemm.cu ``W4a8DecodeUnitBound``)."""
@@ -352,6 +371,8 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     tile 0, the plain CUDA-core kernel; "e4m3" with tile 8; a kernel choice these shapes cannot run, "decode"
     with another tile, MMA or split included; a split outside [1, K/128]).
     """
+    _check_sizes(m=m, e=e, n=n, k=k)
+    _check_rows(rows_per_expert)
     if kernel not in (None,) + GROUPED_KERNELS:
         raise ValueError(f"argument 'kernel' must be None or one of {GROUPED_KERNELS}, got {kernel!r}")
     if kernel == "cutlass" and (tile_tokens is not None or mma is not None):
@@ -436,6 +457,8 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
     (h8 codes of the two formats 98% equal: float32 summation order and the folded-scale rounding). Raises
     ValueError naming ``tile_tokens``, ``mma`` or ``fused``.
     """
+    _check_sizes(m=m, e=e, inter=inter, k=k)
+    _check_rows(rows_per_expert)
     if fused is not None and not isinstance(fused, (bool, np.bool_)):
         raise ValueError(f"argument 'fused' must be None, True or False, got {fused!r}")
     if fused is False and (tile_tokens is not None or mma is not None):
@@ -505,6 +528,7 @@ def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = Fals
     ``cutlass``: whether the library has the CUTLASS kernel (default: ask the built library).
     Raises ValueError naming ``tile_tokens`` or ``kernel`` for a choice these shapes cannot run.
     """
+    _check_sizes(m=m, h=h, n=n, k=k)
     if kernel not in (None,) + EINSUM_KERNELS:
         raise ValueError(f"argument 'kernel' must be None or one of {EINSUM_KERNELS}, got {kernel!r}")
     if kernel == "cutlass" and tile_tokens is not None:

@@ -36,6 +36,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _cpu_unless_gpu(request):
+    """Tests without the ``gpu`` keyword (the marker, or the ``device`` fixture's gpu param) run with the CPU as
+    JAX's default device, so on a GPU host they still run the CPU handlers their tolerances were set for.
+    gpu tests keep JAX's default; explicit placements (``device_put``, meshes over ``jax.devices("cpu")``,
+    ``jax.default_device`` inside a test) take precedence either way. Where the CPU is JAX's default backend
+    already, nothing is set (a set default device is part of jit's cache key: setting it would change which
+    compilations tests share, not where they run)."""
+    if "gpu" in request.keywords or jax.default_backend() == "cpu":
+        yield
+        return
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
+
+
 @pytest.fixture
 def rng():
     """Fresh random data each run (the seed is printed on failure through the test id)."""
@@ -56,17 +71,45 @@ def device(request):
     return _gpu_devices()[0] if request.param == "gpu" else jax.devices("cpu")[0]
 
 
-def run_poisoned(fn, out_shape, out_dtype, args, device):
-    """Runs ``fn(*args)`` under jit on ``device`` writing into a NaN-filled output buffer.
+def poisoned_jit(fn):
+    """``jax.jit`` of ``fn(*args)`` that takes the poisoned output buffer(s) first, donated (see
+    :func:`run_poisoned`). Build it once to call :func:`run_poisoned` repeatedly without recompiling."""
+    return jax.jit(lambda p, *a: fn(*a), donate_argnums=0, keep_unused=True)
 
-    The poisoned buffer is donated and aliased to the output, so any element the kernel leaves
-    unwritten stays NaN. Asserts the aliasing really happened, returns the output as float32 numpy.
-    """
+
+def _poison(shape, dtype, fill, device):
     import jax.numpy as jnp
 
+    dtype = jnp.dtype(dtype)
+    if fill is None:
+        # NaN for floating outputs (e4m3: the 0x7F NaN code), the largest code for integer ones (uint8: 0xFF,
+        # the UE8M0 NaN code, which the scale kernels never write).
+        fill = np.nan if jnp.issubdtype(dtype, jnp.inexact) else np.iinfo(dtype).max
+    return jnp.full(shape, fill, dtype, device=device).block_until_ready()
+
+
+def run_poisoned(fn, out_shape, out_dtype, args, device, fill=None, jitted=None):
+    """Runs ``fn(*args)`` under jit on ``device`` writing into poisoned output buffers.
+
+    Each poisoned buffer is donated and aliased to its output, so any element the kernel leaves unwritten
+    keeps the poison: NaN by default (the largest code for integer outputs), or ``fill`` (one value, or one
+    per output), a finite sentinel for outputs whose right value is NaN itself. Asserts the aliasing really
+    happened. ``out_shape`` / ``out_dtype``: one shape and dtype, or tuples of them for an ``fn`` returning a
+    tuple. ``jitted``: :func:`poisoned_jit` ``(fn)`` built once, for repeated calls. Returns the output as
+    float32 numpy, or for tuple outputs a tuple of numpy arrays in their own dtypes.
+    """
+    multi = isinstance(out_dtype, (tuple, list))
+    shapes, dtypes = (tuple(out_shape), tuple(out_dtype)) if multi else ((out_shape,), (out_dtype,))
+    assert len(shapes) == len(dtypes), "one shape per output dtype"
+    fills = tuple(fill) if isinstance(fill, (tuple, list)) else (fill,) * len(dtypes)
     args = [jax.device_put(a, device) for a in args]
-    poison = jnp.full(out_shape, jnp.nan, out_dtype, device=device).block_until_ready()
-    ptr = poison.unsafe_buffer_pointer()
-    out = jax.jit(lambda p, *a: fn(*a), donate_argnums=0, keep_unused=True)(poison, *args)
-    assert out.unsafe_buffer_pointer() == ptr, "the output did not land in the poisoned buffer"
-    return np.asarray(out.astype(jnp.float32))
+    poison = tuple(_poison(s, d, f, device) for s, d, f in zip(shapes, dtypes, fills))
+    ptrs = [p.unsafe_buffer_pointer() for p in poison]
+    out = (jitted or poisoned_jit(fn))(poison if multi else poison[0], *args)
+    outs = tuple(out) if multi else (out,)
+    assert len(outs) == len(poison), f"{len(outs)} outputs, {len(poison)} poisoned buffers"
+    for i, (o, ptr) in enumerate(zip(outs, ptrs)):
+        assert o.unsafe_buffer_pointer() == ptr, f"output {i} did not land in its poisoned buffer"
+    if multi:
+        return tuple(np.asarray(o) for o in outs)
+    return np.asarray(out.astype(np.float32))

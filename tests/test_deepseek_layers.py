@@ -347,10 +347,19 @@ def test_attention_in_query_blocks_is_the_same(rng, monkeypatch, latent):
     else:
         args = [jnp.asarray(a, jnp.float32) for a in (qn, qp, kn, kp, v)]
         fn = lambda *a: layers.mla_attention(*a, jnp.asarray(mask), 0.37)  # noqa: E731
-    whole = np.asarray(jax.jit(fn)(*args))
+    def run():
+        # jax.jit caches traces by function and argument types, not by the module global read at trace time:
+        # drop the caches so each ATTENTION_SCORE_BYTES really gets its own trace.
+        jax.clear_caches()
+        jitted = jax.jit(lambda *a: fn(*a))
+        return np.asarray(jitted(*args)), jitted.lower(*args).as_text()
+
+    whole, whole_text = run()
+    assert "stablehlo.while" not in whole_text, "the one-block attention already loops over query blocks"
     for queries in (2, 3):
         monkeypatch.setattr(layers, "ATTENTION_SCORE_BYTES", queries * b * h * s * 4)
-        got = np.asarray(jax.jit(fn)(*args))
+        got, text = run()
+        assert "stablehlo.while" in text, f"blocks of {queries} queries did not lower to a loop over query blocks"
         assert got.shape == whole.shape
         np.testing.assert_allclose(got, whole, rtol=1e-6, atol=1e-6)
     sc = np.einsum("bthd,bsd->bhts" if latent else "bthd,bshd->bhts", qn, kn[:, :, 0] if latent else kn)

@@ -1,5 +1,6 @@
 """Loading the compiled handlers once, and falling back to the reference when they are missing."""
 
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import textwrap
 
 import jax_w4a8
 from jax_w4a8 import ffi_available
+from jax_w4a8._ffi import TARGETS
 
 
 def test_cpu_handlers_are_built():
@@ -45,12 +47,47 @@ def test_without_handlers_the_reference_serves():
     assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr
 
 
+# Counts every jax.ffi.register_ffi_target call from before the package's first import, through the imports a
+# user makes, a reload of the package and one op call: each registered target of each platform exactly once.
+REGISTER_ONCE = textwrap.dedent("""
+    import collections, importlib, json
+    import jax, jax.ffi
+    calls = collections.Counter()
+    real = jax.ffi.register_ffi_target
+    def counting(name, fn, platform="cpu", *args, **kwargs):
+        calls[(name, platform)] += 1
+        return real(name, fn, platform, *args, **kwargs)
+    jax.ffi.register_ffi_target = counting
+    import jax_w4a8
+    import jax_w4a8.ops
+    import jax_w4a8.models.deepseek
+    importlib.reload(jax_w4a8)
+    import numpy as np
+    codes = jax.jit(jax_w4a8.ops.pack_ue8m0)(np.array([1.0, 0.5], np.float32))
+    assert np.asarray(codes).tolist() == [127, 126], codes
+    from jax_w4a8 import _ffi
+    want = {}
+    for platform, (module, xla_platform) in _ffi._MODULES.items():
+        if _ffi.ffi_available(platform):
+            mod = importlib.import_module("jax_w4a8._lib." + module)
+            want[xla_platform] = sorted(mod.registrations())
+    print(json.dumps({"calls": [[n, p, c] for (n, p), c in calls.items()], "want": want}))
+    """)
+
+
+def _registrations(code=REGISTER_ONCE):
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    assert res.returncode == 0, res.stderr
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def test_handlers_register_once():
-    import jax_w4a8._ffi as ffi
-    before = dict(ffi._STATUS)
-    import importlib
-    importlib.reload(jax_w4a8)  # a re-import must not re-register or change anything
-    assert ffi._STATUS == before
+    got = _registrations()
+    want = got["want"]
+    assert "cpu" in want and set(want["cpu"]) >= set(TARGETS.values()) - {TARGETS["w4a8_moe_up"]}, want
+    counts = {(n, p): c for n, p, c in got["calls"]}
+    assert {k: c for k, c in counts.items() if c != 1} == {}, "targets registered more than once"
+    assert set(counts) == {(n, p) for p, names in want.items() for n in names}
 
 
 def test_built_with_cutlass_follows_the_cuda_module(monkeypatch):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import np_ref
-from conftest import run_poisoned
+from conftest import poisoned_jit, run_poisoned
 from jax_w4a8 import ops, quant
 
 BF16_TOL = 4e-3
@@ -99,16 +99,16 @@ def test_declared_ue8m0_with_mantissa_is_rejected(rng, device):
     g = jax.jit(functools.partial(ops.fp8_einsum, "md,nd->mn", ue8m0=True, impl="reference"))
     with pytest.raises(Exception, match="UE8M0"):
         jax.block_until_ready(g(*dev_args))
-    # Rounded scales pass and give the right answer.
+    # Rounded scales pass and give the right answer (every element written: the output is poisoned).
     args = (args[0], args[1], args[2], quant.ceil_to_ue8m0(sw[0]))
-    out = np.asarray(f(*[jax.device_put(a, device) for a in args]).astype(jnp.float32))
+    out = run_poisoned(f, (4, 8), jnp.bfloat16, args, device)
     ref = np_ref.fp8_einsum_mhk(x8, args[1][:, None], w8, args[3][None])[:, 0]
     assert np_ref.rel_err(out, ref) <= BF16_TOL
 
 
 def test_pack_ue8m0(device):
     s = np.array([1.0, 0.5, 2.0 ** -126, 2.0 ** 127, 1024.0], np.float32)
-    codes = np.asarray(jax.jit(ops.pack_ue8m0)(jax.device_put(s, device)))
+    codes = run_poisoned(ops.pack_ue8m0, (5,), jnp.uint8, (s,), device)  # poisoned with 0xFF, the NaN code
     assert codes.tolist() == [127, 126, 1, 254, 137]
     for bad in (0.75, -1.0, 0.0, np.inf, np.nan, 2.0 ** -127):
         with pytest.raises(ValueError, match="'scale'"):
@@ -236,11 +236,13 @@ def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens):
     args = [jax.device_put(a, device) for a in (x8, sx, w8, sw)]
     ref = np_ref.fp8_einsum_mhk(x8, sx, w8, sw)
     bound = 2e-3 * np.abs(ref).max(axis=-1, keepdims=True)  # float32 output: typical errors are 1e-5 of it
-    fn = jax.jit(functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=tile_tokens,
-                                   out_dtype=jnp.float32))
+    fn = functools.partial(ops.fp8_einsum, "bhr,hdr->bhd", impl="ffi", tile_tokens=tile_tokens, out_dtype=jnp.float32)
+    jitted = poisoned_jit(fn)
     first = None
     for call in range(8):
-        out = np.asarray(fn(*args), np.float64)
+        # A fresh NaN-poisoned output every call: from call 1 on the allocator may hand back the previous
+        # call's buffer, whose correct values an element the kernel skipped would otherwise keep.
+        out = run_poisoned(fn, (384, 1, 1024), jnp.float32, args, device, jitted=jitted).astype(np.float64)
         bad = ~(np.abs(out - ref) <= bound)
         assert not bad.any(), f"call {call}: {bad.sum()} elements off, rows {sorted(set(np.nonzero(bad)[0].tolist()))[:8]}"
         if first is None:
@@ -391,3 +393,19 @@ def test_nan_code_under_jit_is_rejected_by_the_cpu_handler(rng):
     args = [jax.device_put(a, jax.devices("cpu")[0]) for a in (x8[:, 0], quant.encode_ue8m0(sx[:, 0]), w8[0], codes)]
     with pytest.raises(Exception, match="w_scale holds UE8M0 code 0xFF"):
         jax.block_until_ready(f(*args))
+
+
+@pytest.mark.parametrize("arg", ["x_scale", "w_scale"])
+def test_nan_code_under_jit_is_rejected_on_the_reference_path(rng, arg):
+    """impl="reference" (and "auto" where the CPU handler is missing) scans traced codes with a host callback, as
+    the CPU handler does: a 0xFF code fails the call naming the argument instead of giving NaN rows."""
+    x8, sx, w8, sw = make_operands(rng, 2, 1, 8, 128, ue8m0=True)
+    good = {"x_scale": np.asarray(quant.encode_ue8m0(sx[:, 0])), "w_scale": np.asarray(quant.encode_ue8m0(sw[0]))}
+    f = jax.jit(functools.partial(ops.fp8_einsum, "md,nd->mn", impl="reference"))
+    out = np.asarray(f(x8[:, 0], good["x_scale"], w8[0], good["w_scale"]).astype(jnp.float32))
+    assert np.isfinite(out).all()
+    bad = dict(good)
+    bad[arg] = bad[arg].copy()
+    bad[arg].reshape(-1)[-1] = 0xFF
+    with pytest.raises(Exception, match=f"argument '{arg}' holds UE8M0 code 0xFF"):
+        jax.block_until_ready(f(x8[:, 0], bad["x_scale"], w8[0], bad["w_scale"]))

@@ -250,7 +250,8 @@ def test_quantize_fp8_blocks_edges(rng, ue8m0):
 
 def test_quantize_fp8_groups_non_finite_inputs_as_the_kernels_take_them(rng):
     """NaN is left out of its group's amax (the CUDA / CPU kernels' max ignores it) and stays a NaN code; Inf makes
-    its group's scale Inf, its own code NaN and the others 0; the other groups are untouched (float64 statement)."""
+    its group's scale Inf, its own code NaN and the others 0 (with UE8M0: scale 2**127, code +-448); the other
+    groups are untouched (float64 statement)."""
     x = rng.standard_normal((3, 384)).astype(np.float32)
     x[0, 5], x[1, 130], x[2, 300] = np.nan, np.inf, -np.inf
     codes, scales = quant.quantize_fp8_groups(jnp.asarray(x))
@@ -263,6 +264,10 @@ def test_quantize_fp8_groups_non_finite_inputs_as_the_kernels_take_them(rng):
     assert np.isinf(scales[1, 1]) and np.isinf(scales[2, 2]) and np.isfinite(np.delete(scales.reshape(-1), [4, 8])).all()
     assert np.isnan(codes[1, 130]) and (np.delete(codes[1, 128:256], 2) == 0).all()
     assert np.isnan(codes[2, 300]) and (np.delete(codes[2, 256:], 44) == 0).all()
+    c8, s8 = quant.quantize_fp8_groups(jnp.asarray(x), ue8m0=True)
+    c8 = np.asarray(c8.astype(jnp.float32))
+    assert np.asarray(s8)[1, 1] == np.float32(2.0**127) and c8[1, 130] == 448 and c8[2, 300] == -448
+    assert (np.delete(c8[1, 128:256], 2) == 0).all() and np.isnan(c8[0, 5])
     for r, gi in ((0, 1), (0, 2), (1, 0), (2, 0), (2, 1)):  # untouched groups: the plain recipe
         s = np.float32(np.maximum(np.abs(x[r, 128 * gi:128 * gi + 128]).max(), 1e-4) / 448)
         ref = np.asarray(jnp.asarray(x[r, 128 * gi:128 * gi + 128] / s, jnp.float8_e4m3fn).astype(jnp.float32))

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from conftest import run_poisoned
 from jax_w4a8 import ops, quant
 
 
@@ -29,8 +30,9 @@ def test_kernel_matches_reference(rng, device, dtype, ue8m0):
     x[0, 0, :128] = 0.0                 # all-zero group
     x[1, 2, 5] = 1e30                   # one huge value: the rest of its group rounds to zero, no NaN
     x = jnp.asarray(x, dtype)
-    f = jax.jit(functools.partial(ops.quantize_fp8_groups, ue8m0=ue8m0, impl="ffi"))
-    q, s = f(jax.device_put(x, device))
+    f = functools.partial(ops.quantize_fp8_groups, ue8m0=ue8m0, impl="ffi")
+    # Both outputs NaN-poisoned (codes: e4m3's 0x7F NaN), so a code or scale left unwritten fails below.
+    q, s = run_poisoned(f, ((3, 37, 512), (3, 37, 4)), (jnp.float8_e4m3fn, jnp.float32), (x,), device)
     q_ref, s_ref = quant.quantize_fp8_groups(x, ue8m0=ue8m0)
     assert q.dtype == jnp.float8_e4m3fn and s.shape == (3, 37, 4)
     np.testing.assert_allclose(np.asarray(s), np.asarray(s_ref), rtol=3e-7)
@@ -79,8 +81,9 @@ def test_silu_mul_kernel_matches_float64(rng, device, dtype, ue8m0):
     x[1, 2, 384:512] = 0.0        # an all-zero up group (up channels are [384, 768))
     x[2, 3, 10] = -1e4            # silu of a large negative gate: -0 (exp(-g) is Inf), not NaN
     x = jnp.asarray(x, dtype)
-    f = jax.jit(functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=ue8m0, impl="ffi"))
-    q, s = f(jax.device_put(x, device))
+    f = functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=ue8m0, impl="ffi")
+    # Both outputs NaN-poisoned (codes: e4m3's 0x7F NaN), so a code or scale left unwritten fails below.
+    q, s = run_poisoned(f, ((3, 37, 384), (3, 37, 3)), (jnp.float8_e4m3fn, jnp.float32), (x,), device)
     assert q.dtype == jnp.float8_e4m3fn and q.shape == (3, 37, 384) and s.shape == (3, 37, 3)
     h = np_silu_mul(np.asarray(x, np.float32))
     s64 = np.asarray(s, np.float64)
@@ -103,3 +106,45 @@ def test_silu_mul_errors(rng):
         ops.silu_mul_quantize_fp8_groups(x[:, :384])
     with pytest.raises(TypeError, match="'x'"):
         ops.silu_mul_quantize_fp8_groups(x.astype(jnp.int32))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_non_finite_inputs_match_the_reference(rng, ue8m0):
+    """NaN and Inf inputs: the CPU kernel and the jnp reference agree bit for bit (NaN left out of the amax, Inf
+    making its group's scale Inf), on groups with and without them."""
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    x[0, 3], x[1, 200], x[2, 260], x[2, 261], x[3, 400] = np.nan, np.inf, -np.inf, np.nan, np.nan
+    x[3, 384:512] = np.nan  # a whole group of NaN: the amax floor's scale, NaN codes
+    for dtype in (jnp.float32, jnp.bfloat16):
+        xs = jnp.asarray(x, dtype)
+        got = ops.quantize_fp8_groups(xs, ue8m0=ue8m0, impl="ffi")
+        want = ops.quantize_fp8_groups(xs, ue8m0=ue8m0, impl="reference")
+        codes = [np.asarray(c[0]).view(np.uint8) for c in (got, want)]
+        codes = [np.where(c & 0x7F == 0x7F, 0x7F, c) for c in codes]  # e4m3 NaN either sign: one NaN
+        if ue8m0:  # the same power-of-two scale: the same codes
+            np.testing.assert_array_equal(codes[0], codes[1])
+        else:  # scales 1 ulp apart may move a code across a rounding boundary: one step at most, NaN where NaN
+            np.testing.assert_array_equal(codes[0] == 0x7F, codes[1] == 0x7F)
+            vals = [np.asarray(c[0].astype(jnp.float32)) for c in (got, want)]
+            ok = codes[0] != 0x7F
+            np.testing.assert_allclose(vals[0][ok], vals[1][ok], rtol=0.13, atol=2.0**-9)
+        # the reference's float32 division may be 1 ulp off the kernels' correctly rounded amax / 448 (codes equal)
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=0 if ue8m0 else 1.2e-7)
+        assert (codes[0][3, 384:] == 0x7F).all() and (codes[0][0, 3] == 0x7F)
+        # Inf: NaN code under an Inf scale; saturated to +-448 under UE8M0's largest scale, 2**127 (quant docstring)
+        assert codes[0][1, 200] == (0x7E if ue8m0 else 0x7F) and codes[0][2, 260] == (0xFE if ue8m0 else 0x7F)
+    assert np.isfinite(np.asarray(got[1])[3, 3])
+    assert np.asarray(got[1])[1, 1] == (np.float32(2.0**127) if ue8m0 else np.inf)
+
+
+def test_option_types(rng):
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    assert ops.quantize_fp8_groups(x, group_size=np.int64(128))[1].shape == (4, 2)
+    for bad in (True, 128.0, "128"):
+        with pytest.raises(ValueError, match="'group_size'"):
+            ops.quantize_fp8_groups(x, group_size=bad)
+    for fn in (ops.quantize_fp8_groups, ops.silu_mul_quantize_fp8_groups):
+        with pytest.raises(TypeError, match="'ue8m0' must be True or False"):
+            fn(x, ue8m0="no")
+        with pytest.raises(TypeError, match="'ue8m0' must be True or False"):
+            jax.jit(lambda v, u: fn(v, ue8m0=u))(x, True)

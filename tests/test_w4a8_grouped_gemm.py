@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import np_ref
-from conftest import run_poisoned
+from conftest import poisoned_jit, run_poisoned
 from jax_w4a8 import ops, quant, tiling
 
 BF16_TOL = 4e-3  # SPEC section 7
@@ -102,10 +102,13 @@ def test_hostile_group_sizes_are_clamped(rng, device, sizes):
 
 def test_group_sizes_change_without_recompiling(rng):
     args = list(make_case(rng, 32, 128, 16, [16, 16]))
-    f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, impl="ffi", out_dtype=jnp.float32))
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi", out_dtype=jnp.float32)
+    f = poisoned_jit(fn)
     for sizes in ([16, 16], [0, 32], [5, 3]):
         args[4] = jnp.asarray(sizes, jnp.int32)
-        check(args, np.asarray(f(*args)), jnp.float32)
+        out = run_poisoned(fn, (32, 16), jnp.float32, args, jax.devices("cpu")[0], jitted=f)
+        check(args, out, jnp.float32)
+        assert (out[sum(sizes):] == 0).all()
     assert f._cache_size() == 1
 
 
@@ -186,12 +189,27 @@ def test_bad_inputs_name_the_argument(rng, arg, mutate, exc, text):
         jax.jit(ops.w4a8_grouped_gemm)(**a)
 
 
+def test_group_sizes_of_another_int_width_are_refused_before_narrowing(rng):
+    """NumPy's default int64 (np.bincount's output) would be narrowed to int32 by jnp.asarray with x64 off, wrapping
+    2**32 - 1 to -1 silently: refused by dtype, naming the argument; a plain list is fine."""
+    a = _good(rng)
+    for bad in (np.array([8, 8], np.int64), np.array([2**32 - 1, 16], np.int64), np.array([8, 8], np.uint32)):
+        with pytest.raises(TypeError, match="argument 'group_sizes' must have dtype int32"):
+            ops.w4a8_grouped_gemm(**{**a, "group_sizes": bad})
+    out = ops.w4a8_grouped_gemm(**{**a, "group_sizes": [8, 8]})
+    check(tuple(a.values()), np.asarray(out.astype(jnp.float32)), jnp.bfloat16)
+
+
 def test_bad_options(rng):
     a = _good(rng)
     with pytest.raises(ValueError, match="'impl'"):
         ops.w4a8_grouped_gemm(**a, impl="fast")
-    with pytest.raises(ValueError, match="'out_dtype'"):
-        ops.w4a8_grouped_gemm(**a, out_dtype=jnp.int32)
+    for bad in (jnp.int32, None, "foo"):
+        with pytest.raises(ValueError, match="'out_dtype'"):
+            ops.w4a8_grouped_gemm(**a, out_dtype=bad)
+    for bad in (-1, float("nan"), float("inf"), "a"):
+        with pytest.raises(ValueError, match="argument 'rows_per_expert' must be None or a finite number"):
+            ops.w4a8_grouped_gemm(**a, rows_per_expert=bad)
     with pytest.raises(ValueError, match="w4a8_grouped_gemm: kernel='decode' runs 8- or 16-row units"):
         ops.w4a8_grouped_gemm(**a, kernel="decode", tile_tokens=32)
     # The process survives and the op still works afterwards (the decode kernel's plan on any handler).
@@ -324,11 +342,14 @@ def test_repeated_calls_every_element_on_gpu(rng, device, tile_tokens, mma, kern
     args = [jax.device_put(a, device) for a in make_case(rng, m, k, n, sizes)]
     ref = np_ref.grouped_gemm(*args)
     bound = 2e-3 * np.abs(ref).max(axis=1, keepdims=True)  # float32 output: typical errors are 1e-5 of it
-    fn = jax.jit(functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi",
-                                   tile_tokens=tile_tokens, mma=mma, kernel=kernel))
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens,
+                           mma=mma, kernel=kernel)
+    jitted = poisoned_jit(fn)
     first = None
     for call in range(16):
-        out = np.asarray(fn(*args), np.float64)
+        # A fresh NaN-poisoned output every call: from call 1 on the allocator may hand back the previous
+        # call's buffer, whose correct values an element the kernel skipped would otherwise keep.
+        out = run_poisoned(fn, (m, n), jnp.float32, args, device, jitted=jitted).astype(np.float64)
         bad = np.abs(out - ref) > bound
         assert not bad.any(), f"call {call}: {bad.sum()} elements off, rows {sorted(set(np.nonzero(bad)[0].tolist()))[:8]}"
         if first is None:
@@ -359,6 +380,15 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma, kernel)
     """
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
+    _check_activation_scale_extremes(rng, device, tile_tokens=tile_tokens, mma=mma, kernel=kernel)
+
+
+def test_activation_scale_extremes_on_cpu(rng):
+    """The same scale extremes through the CPU handler (no tile options there)."""
+    _check_activation_scale_extremes(rng, jax.devices("cpu")[0])
+
+
+def _check_activation_scale_extremes(rng, device, **options):
     m, k, n, sizes = 48, 1024, 256, [20, 0, 28]
     x8, x_scale, w, w_scale, gs = make_case(rng, m, k, n, sizes)
     s = np.array(x_scale)  # [m, 8] float32
@@ -369,9 +399,9 @@ def test_activation_scale_extremes_on_gpu(rng, device, tile_tokens, mma, kernel)
     s[4] *= np.exp2(rng.uniform(-20, 0, 8))         # float32 ratios
     s[25] *= np.exp2(-4.0 * np.arange(8)[::-1])     # the largest scale in the last group (second expert)
     args = (x8, jnp.asarray(s), w, w_scale, gs)
-    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens, mma=mma,
-                           kernel=kernel)
-    out = run_poisoned(fn, (m, n), jnp.float32, args, device)
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", **options)
+    # A finite poison: NaN would itself pass the NaN row's check; 1e30 fails every check of an unwritten element.
+    out = run_poisoned(fn, (m, n), jnp.float32, args, device, fill=1e30)
     ref = np_ref.grouped_gemm(*args)
     assert np.isnan(out[2]).all()
     ok = np.ones(m, bool)
@@ -396,9 +426,19 @@ def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mm
     """
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
-    m, k, sizes = 40, 512, [24, 16]
-    plan = tiling.plan_grouped_gemm(m, len(sizes), n, k, tile_tokens=tile_tokens, mma=mma, kernel=kernel)
+    plan = tiling.plan_grouped_gemm(40, 2, n, 512, tile_tokens=tile_tokens, mma=mma, kernel=kernel)
     assert (plan.split_k > 1) == split or kernel == "decode"  # the decode kernel splits K within each tile
+    _check_zero_and_infinite_activation_scales(rng, device, n, tile_tokens=tile_tokens, mma=mma, kernel=kernel)
+
+
+@pytest.mark.parametrize("n", [256, 2048])
+def test_zero_and_infinite_activation_scales_on_cpu(rng, n):
+    """The same zero and infinite scales through the CPU handler (no tile options there)."""
+    _check_zero_and_infinite_activation_scales(rng, jax.devices("cpu")[0], n)
+
+
+def _check_zero_and_infinite_activation_scales(rng, device, n, **options):
+    m, k, sizes = 40, 512, [24, 16]
     _, _, w, w_scale, gs = make_case(rng, m, k, n, sizes)
     x = rng.uniform(-1, 1, (m, k)).astype(np.float32)
     x[[3, 30]] = 448.0                                            # second expert too
@@ -409,13 +449,13 @@ def test_zero_and_infinite_activation_scales_on_gpu(rng, device, tile_tokens, mm
     s[7, 2] = -np.inf
     s[33, 0] = np.inf
     args = (x8, jnp.asarray(s), w, jnp.asarray(ws), gs)
-    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=tile_tokens, mma=mma,
-                           kernel=kernel)
-    out = run_poisoned(fn, (m, n), jnp.float32, args, device)
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", **options)
+    # A finite poison: the infinite rows' right values include NaN, which a NaN poison would match unwritten.
+    out = run_poisoned(fn, (m, n), jnp.float32, args, device, fill=1e30)
     assert (out[3] == 0).all() and (out[30] == 0).all()
     ref = np_ref.grouped_gemm(*args)
     # +-Inf, or NaN where the infinite group's partial sum is exactly 0 (exact in float32 too: e4m3 x int4
-    # products over 128 K need 19 bits); assert_array_equal counts NaN as equal to NaN
+    # products over 128 K need 19 bits); assert_array_equal counts NaN as equal to NaN (never the poison)
     assert not np.isfinite(ref[[7, 33]]).any()
     np.testing.assert_array_equal(out[[7, 33]], ref[[7, 33]])
     ok = np.ones(m, bool)
@@ -650,10 +690,14 @@ def test_prefill_plan_takes_cutlass_on_gpu(rng, device):
     assert tiling.plan_grouped_gemm(m, e, n, k).kernel == "cutlass"
     args = list(make_case(rng, m, k, n, [640] * e))
     args = [jax.device_put(a, device) for a in args]
-    f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, impl="ffi"))
+    fn = functools.partial(ops.w4a8_grouped_gemm, impl="ffi")
+    f = poisoned_jit(fn)
     for sizes in ([640] * e, [2560, 0, 0, 0], [0, 2500, 3, 0]):
         args[4] = jax.device_put(jnp.asarray(sizes, jnp.int32), device)
-        check(args, np.asarray(f(*args).astype(jnp.float32)), jnp.bfloat16)
+        out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device, jitted=f)
+        check(args, out, jnp.bfloat16)
+        covered = min(sum(sizes), m)
+        assert (out[covered:] == 0).all()
     assert f._cache_size() == 1
 
 
