@@ -23,7 +23,9 @@ is not stale, and reports the fingerprint of the ffi/ sources its modules were b
 measures the same-build spread on purpose).
 
 Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused
-up-projection at 64 and 512), einsum (DeepSeek-V3 linears at 1 and 64 tokens, UE8M0 codes), prefill (grouped
+up-projection at 64 and 512), einsum (DeepSeek-V3 linears at 1 and 64 tokens, UE8M0 codes), einsum1 (a decode
+step's one-token linears: q_a + kv_a in one product, q_b, kv_a, the shared expert's gate+up and down, o_proj),
+prefill (grouped
 GEMM at 4096 rows with float32, UE8M0 and per-tensor activation scales, einsum 4096 x 7168 x 7168), tiny (small
 shapes that also run on the CPU, for tests).
 """
@@ -40,7 +42,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-CASE_SETS = ("decode", "einsum", "prefill", "tiny")
+CASE_SETS = ("decode", "einsum", "einsum1", "prefill", "tiny")
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -80,6 +82,10 @@ def _cases(names):
                                 ("square", 7168, 7168)):
                 for m in (1, 64):
                     out.append((f"einsum {shape} M={m}", einsum, [linear(key, m, n, k, i) for i in range(2)]))
+        elif name == "einsum1":  # a decode step's one-token linears (the einsum decode kernel's plans)
+            for shape, n, k in (("qkv_a", 2112, 7168), ("q_b", 24576, 1536), ("kv_a", 576, 7168),
+                                ("shared_up", 4096, 7168), ("shared_down", 7168, 2048), ("o_proj", 7168, 16384)):
+                out.append((f"einsum {shape} M=1", einsum, [linear(key, 1, n, k, i) for i in range(2)]))
         elif name == "prefill":
             for shape, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
                 sets = [grouped(key, 4096, 32, n, k, i) for i in range(2)]

@@ -203,11 +203,12 @@ def main(argv=None) -> int:
         print("No --checkpoint given: using the embedded default, a tiny DeepSeek-V3-architecture model with "
               "RANDOM weights and a toy tokenizer. Its output is meaningless; it shows the pipeline "
               "(tokenizer, W4A8 experts, MLA latent cache, streaming) end to end.")
+    for name, what in (("tokenizer.json", "a tokenizers tokenizer.json"), ("config.json", "the model's config.json")):
+        if not os.path.exists(os.path.join(ckpt, name)):
+            print(f"error: {os.path.join(ckpt, name)} not found (the checkpoint directory needs {what})",
+                  file=sys.stderr)
+            return 2
     tok_path = os.path.join(ckpt, "tokenizer.json")
-    if not os.path.exists(tok_path):
-        print(f"error: {tok_path} not found (the checkpoint directory needs a tokenizers tokenizer.json)",
-              file=sys.stderr)
-        return 2
     tokenizer = Tokenizer.from_file(tok_path)
     tok_cfg = _read_json(os.path.join(ckpt, "tokenizer_config.json"))
     template = tok_cfg.get("chat_template")

@@ -234,6 +234,8 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
         raise ValueError(f"argument 'tile_tokens' must be None, 0 or one of {allowed}, got {tile_tokens!r}")
     if tile_tokens == 0:
         return GemmPlan(0, 1, 0, 0)
+    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
+        raise ValueError(f"argument 'num_sms' must be None or an int >= 1, got {num_sms!r}")
     slots = (num_sms or _num_sms()) * _blocks_per_sm(tile_tokens)
     busy = batches if busy is None else busy  # batches with rows (expected)
     units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)

@@ -70,6 +70,13 @@ def test_missing_tokenizer_is_a_clear_error(capsys):
     assert "tokenizer.json" in capsys.readouterr().err
 
 
+def test_missing_config_is_a_clear_error(tmp_path, capsys):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    rc = cli.main(["--checkpoint", str(tmp_path), "--max-new-tokens", "2"])
+    assert rc == 2
+    assert "config.json not found" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, what", [(["--temperature", "-1"], "--temperature"),
                                         (["--temperature", "nan"], "--temperature"),
                                         (["--top-p", "2"], "--top-p"), (["--top-p", "0"], "--top-p"),

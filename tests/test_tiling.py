@@ -452,6 +452,9 @@ def test_planners_check_their_sizes():
                        (lambda: tiling.plan_moe_up(16, 4, 128, 256, rows_per_expert=float("inf")), "rows_per_expert")):
         with pytest.raises(ValueError, match=f"argument '{name}'"):
             call()
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="argument 'num_sms'"):
+            tiling.plan_grouped_gemm(16, 4, 16, 256, num_sms=bad)
     assert tiling.plan_grouped_gemm(0, 4, 16, 256).tile_tokens in tiling.GROUPED_TILE_TOKENS
     assert tiling.plan_fp8_einsum(0, 0, 64, 256).scratch_bytes >= 0
     assert tiling.plan_grouped_gemm(16, 4, 16, 256, rows_per_expert=np.float32(4.0)).tile_tokens == 8

@@ -8,7 +8,10 @@ set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"tests sanitizer sass ab ncu"}
+STEPS=${STEPS:-"tests sanitizer sass ab ncu plan"}
+# The einsum plan patch (einsum_decode_plan.patch) prebuilt as a package copy whose _lib holds the patched modules
+# (carry it too); its steps are skipped when it is missing.
+VARIANT=${VARIANT:-.carry/variants/einsum_plan}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...
@@ -41,4 +44,17 @@ for c in top8_up1 top8_down1 decode64 decode512; do
       --metrics gpu__time_duration.sum python3 benchmarks/profile_case.py "$c" --calls 3 $o
   done
 done
+# 3. the einsum plan patch: timing-loop A/B against main, then its GPU tests with its modules swapped in
+if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
+  step plan_ab 330 python3 benchmarks/ab_builds.py main=. plan="$VARIANT" --cases einsum1 --rounds 2 --deadline 300
+  if wanted plan_tests; then
+    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
+    step plan_tests 300 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu -k decode
+    for c in qkv_a1 q_b1 q_a1 kv_a1 shared_up1; do
+      step "plan_ncu_$c" 60 ncu --clock-control none --kernel-name regex:Fp8Decode --metrics gpu__time_duration.sum \
+        python3 benchmarks/profile_case.py "$c" --calls 3
+    done
+    cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
+  fi
+fi
 echo "=== end $(date +%T)"
