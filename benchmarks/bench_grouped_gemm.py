@@ -103,9 +103,11 @@ def run(args):
                 others.append("native" if plan.kernel == "cutlass" else "cutlass")
             if m <= 512:
                 others.append("native" if plan.kernel == "decode" else "decode")
-            for other in others:
-                f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, kernel=other))
-                r[f"kernel_{other}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
+            for other in others:  # the decode kernel with both unit sizes (its plan picks one by rows per expert)
+                for unit in ((8, 16) if other == "decode" else (None,)):
+                    f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, kernel=other, tile_tokens=unit))
+                    r[f"kernel_{other}{unit or ''}_us"] = C.bench(f, [(x8, xs, w, s, sizes)
+                                                                      for w, s in zip(w4, ws)]) * 1e6
             if plan.kernel == "native" and plan.tile_tokens >= 16:  # the other tensor-core operand format, same tile
                 other = "e4m3" if plan.mma == "f16" else "f16"
                 f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, mma=other, tile_tokens=plan.tile_tokens))
@@ -216,8 +218,9 @@ def mma_times(r):
 
 
 def kernel_times(r):
-    """The other kernel families timed for row ``r``: {"native": us}, {"cutlass": us} or {"decode": us}."""
-    return {k[7:-3]: v for k, v in r.items() if re.fullmatch(r"kernel_[a-z]+_us", k)}
+    """The other kernel families timed for row ``r``: {"native": us}, {"cutlass": us} or {"decode8": us,
+    "decode16": us} (the decode kernel's 8- and 16-row units)."""
+    return {k[7:-3]: v for k, v in r.items() if re.fullmatch(r"kernel_[a-z]+[0-9]*_us", k)}
 
 
 def fused_mma_times(r):
@@ -268,7 +271,7 @@ def report(payload, out):
             "converted to e4m3 once per call, then CUTLASS's grouped FP8 GEMM; the time includes the conversion); "
             "other token tiles: the same call forced to another tile (the heuristic's alternatives); other MMA: the "
             "same call with the other tensor-core operand format (`mma=`, same token tile, this library's wgmma tiles); other kernel: the "
-            "same call on the other kernel families (`kernel=`: CUTLASS from M = 2048, the decode kernel up to M = 512)."
+            "same call on the other kernel families (`kernel=`: CUTLASS from M = 2048, the decode kernel up to M = 512 with 8- and 16-row units)."
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
                "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
                "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")

@@ -91,6 +91,7 @@ def unpack_int4(p):
     p = jnp.asarray(p)
     _require(p.dtype in (jnp.int8, jnp.uint8), TypeError,
              f"unpack_int4: p must be int8 or uint8 packed bytes, got dtype {p.dtype}")
+    _require(p.ndim >= 1, ValueError, "unpack_int4: p must have at least one axis (the packed K // 2)")
     b = p.astype(jnp.int32) & 0xFF
     low = ((b & 0xF) ^ 8) - 8
     high = ((b >> 4) ^ 8) - 8
@@ -291,8 +292,16 @@ def quantize_fp8_blocks(w, block: int = 128, ue8m0: bool = False):
 
 
 def dequantize_fp8_blocks(q, scales, block: int = 128, dtype=jnp.float32):
-    """Inverse of :func:`quantize_fp8_blocks`: [..., N, K] e4m3 and [..., NB, KB] -> dtype [..., N, K]."""
+    """Inverse of :func:`quantize_fp8_blocks`: [..., N, K] e4m3 and [..., ceil(N / block), ceil(K / block)] ->
+    dtype [..., N, K]. Raises ValueError naming ``scales`` (or ``block``) when they do not fit ``q``."""
+    q, scales = jnp.asarray(q), jnp.asarray(scales)
+    block = _check_size_arg(block, "block", "dequantize_fp8_blocks")
+    _require(q.ndim >= 2, ValueError, f"dequantize_fp8_blocks: q must be [..., N, K], got {q.shape}")
     n, k = q.shape[-2:]
+    want = tuple(q.shape[:-2]) + (-(-n // block), -(-k // block))
+    _require(tuple(scales.shape) == want, ValueError,
+             f"dequantize_fp8_blocks: argument 'scales' must have shape {want} (one per {block} x {block} block of "
+             f"q {tuple(q.shape)}), got {tuple(scales.shape)}")
     s = jnp.repeat(jnp.repeat(scales.astype(jnp.float32), block, axis=-2), block, axis=-1)
     return (q.astype(jnp.float32) * s[..., :n, :k]).astype(dtype)
 

@@ -294,3 +294,16 @@ def test_dequantize_w4_checks_the_scales_shape(rng):
             quant.dequantize_w4(packed, bad)
     with pytest.raises(ValueError, match="even K"):
         quant.quantize_w4(w[..., :9], group_size=3)
+
+
+def test_dequantize_fp8_blocks_checks_its_arguments(rng):
+    w = rng.standard_normal((200, 300)).astype(np.float32)
+    q, s = quant.quantize_fp8_blocks(w)
+    np.testing.assert_allclose(np.asarray(quant.dequantize_fp8_blocks(q, s)), w, rtol=0.07, atol=np.abs(w).max() / 448)
+    for bad in (s[:1], s[:, :2], s[None], jnp.ones((3, 3))):
+        with pytest.raises(ValueError, match="argument 'scales'"):
+            quant.dequantize_fp8_blocks(q, bad)
+    with pytest.raises(ValueError, match="argument 'block'"):
+        quant.dequantize_fp8_blocks(q, s, block=0)
+    with pytest.raises(ValueError, match="at least one axis"):
+        quant.unpack_int4(jnp.int8(1))
