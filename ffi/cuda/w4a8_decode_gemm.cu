@@ -41,7 +41,10 @@ namespace {
 using namespace decode;  // NOLINT(build/namespaces): the decode kernels' shared helpers and sizes
 
 // K groups' loads in flight per warp (64 bytes of 16 rows each, and each token tile's 32 bytes per row): 4 for
-// 8-row units (128 registers), 3 for 16-row units (157 registers: three blocks per SM; 4 spilled at that size).
+// 8-row units (128 registers, and 8 bytes spilled in the block's set-up, outside the loop), 3 for 16-row units
+// (157 registers: three blocks per SM; 4 spilled in the loop at that size). A 16-row unit of 8 rows or fewer still
+// runs its second token tile's MMAs (on zeros; their loads are skipped): the plan takes 16-row units only where
+// experts are expected to hold more than 8 rows.
 template <int NT>
 constexpr int kDepth = NT == 1 ? 4 : 3;
 constexpr int kGroupBytes = 64;      // int4 bytes of a row per 128-K group
