@@ -25,6 +25,17 @@ __device__ __forceinline__ uint4 LoadStreamed(const uint8_t* p) {
   return r;
 }
 
+// tot += c * the scales, for one 16-row x 8-token MMA tile (mma.sync m16n8k16's C layout): accumulator i is weight
+// row g + 8 (i / 2) (scale sw[i / 2]) and token 2 t + i % 2 (scale sx[i % 2]); both scales applied in float32 after
+// the group's fresh accumulator, their product first.
+__device__ __forceinline__ void AddScaledTile(float (&tot)[4], const float (&c)[4], const float (&sw)[2],
+                                              const float (&sx)[2]) {
+  tot[0] += c[0] * (sw[0] * sx[0]);
+  tot[1] += c[1] * (sw[0] * sx[1]);
+  tot[2] += c[2] * (sw[1] * sx[0]);
+  tot[3] += c[3] * (sw[1] * sx[1]);
+}
+
 // Split K: the K groups [begin, end) of slice `slice` of `slices` (contiguous runs, in order).
 __device__ __forceinline__ void SplitKRange(int64_t groups, int slice, int slices, int64_t& begin, int64_t& end) {
   begin = groups * slice / slices, end = groups * (slice + 1) / slices;

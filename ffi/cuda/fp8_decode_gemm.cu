@@ -148,12 +148,7 @@ __device__ __forceinline__ void ComputeGroup(const Operands<NT>& q, float (&tot)
               Word(q.x[j], 2 * s), Word(q.x[j], 2 * s + 1));
   }
 #pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    tot[j][0] += c[j][0] * (q.sw[0] * q.sx[j][0]);
-    tot[j][1] += c[j][1] * (q.sw[0] * q.sx[j][1]);
-    tot[j][2] += c[j][2] * (q.sw[1] * q.sx[j][0]);
-    tot[j][3] += c[j][3] * (q.sw[1] * q.sx[j][1]);
-  }
+  for (int j = 0; j < NT; ++j) AddScaledTile(tot[j], c[j], q.sw, q.sx[j]);
 }
 
 template <int NT>

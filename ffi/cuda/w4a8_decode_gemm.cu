@@ -186,12 +186,7 @@ __device__ __forceinline__ void ComputeGroup(const Operands<NT>& q, float (&tot)
     }
   }
 #pragma unroll
-  for (int n = 0; n < NT; ++n) {
-    tot[n][0] += c[n][0] * (q.sw[0] * q.sx[n][0]);
-    tot[n][1] += c[n][1] * (q.sw[0] * q.sx[n][1]);
-    tot[n][2] += c[n][2] * (q.sw[1] * q.sx[n][0]);
-    tot[n][3] += c[n][3] * (q.sw[1] * q.sx[n][1]);
-  }
+  for (int n = 0; n < NT; ++n) AddScaledTile(tot[n], c[n], q.sw, q.sx[n]);
 }
 
 template <int NT, int D>
