@@ -519,10 +519,17 @@ def test_folded_activations_any_group_count_on_gpu(rng, device, groups, scale_ki
     _assert_rows_close(out[:rows], np_ref.grouped_gemm(*args)[:rows])
     base = np.asarray(jax.jit(functools.partial(fn, tile_tokens=64))(*[jax.device_put(jnp.asarray(a), device)
                                                                       for a in args]))
-    # UE8M0: the same sums up to float32 order; per tensor the folding kernel's K order within a group differs from
-    # the caller's (the tensor cores' fp8 sums keep about 14 bits, so the order shows at about 1e-4)
-    atol = (2e-5 if scale_kind == "ue8m0" else 3e-4) * np.abs(base[:rows]).max()
-    np.testing.assert_allclose(out[:rows], base[:rows], rtol=0, atol=atol)
+    # UE8M0: the same sums up to float32 order. Per tensor the folding kernel's K order within a group differs from
+    # the caller's, and the tensor cores' fp8 sums keep about 14 bits, so the order shows: by up to 1.1e-4 of the
+    # sum of the terms' magnitudes (H100, 80 draws), bounded here by 2^-11 of it. (A bound of 3e-4 of the largest
+    # output failed once in about 800 draws: one element near the largest, 3.8e-4 of its own value off.) A wrong K
+    # order would be off by about the outputs' own size, 1 / sqrt(K) of that sum.
+    if scale_kind == "ue8m0":
+        atol = 2e-5 * np.abs(base[:rows]).max()
+    else:
+        atol = 2.0 ** -11 * np_ref.grouped_gemm(*args, absolute=True)[:rows]
+    bad = np.abs(out[:rows] - base[:rows]) > atol
+    assert not bad.any(), f"{bad.sum()} elements off the 64-token kernel's, first at {np.argwhere(bad)[0]}"
 
 
 @pytest.mark.gpu

@@ -59,6 +59,7 @@
 #include "../common/groups.h"
 #include "hopper_gemm.cuh"
 #include "hopper_ptx.cuh"
+#include "int4_e4m3.cuh"
 #include "int4_f16.cuh"
 
 namespace jax_w4a8 {
@@ -108,39 +109,6 @@ struct Layout {
 // after the grid-dependency wait.
 __device__ __forceinline__ bool FoldedCall(const HopperGemmParams& p) {
   return *reinterpret_cast<const volatile int*>(p.x_tok_scale + p.h * p.mp) == 0;
-}
-
-// int4 -> e4m3, exactly, four codes at a time: two byte-permute lookups by the low three bits of each code
-// (idx: nibble i = code i & 7) in the |v| table for codes 0..7 (pos) and the table for codes -8..-1 (neg),
-// then a third permute, PickE4m3, that takes byte i from neg where code i is negative (sel: nibble i =
-// i + 4 * sign_i). prmt reads only the low 16 bits of idx and sel.
-__device__ __forceinline__ void Int4E4m3Lookups(uint32_t idx, uint32_t& pos, uint32_t& neg) {
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(pos) : "r"(0x44403800u), "r"(0x4E4C4A48u), "r"(idx));
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(neg) : "r"(0xCACCCED0u), "r"(0xB8C0C4C8u), "r"(idx));
-}
-__device__ __forceinline__ uint32_t PickE4m3(uint32_t pos, uint32_t neg, uint32_t sel) {
-  uint32_t out;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(out) : "r"(pos), "r"(neg), "r"(sel));
-  return out;
-}
-
-// Four int4 codes (bits 0..15) -> four e4m3 bytes.
-__device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t nibbles) {
-  uint32_t pos, neg;
-  Int4E4m3Lookups(nibbles & 0x7777u, pos, neg);
-  return PickE4m3(pos, neg, ((nibbles >> 1) & 0x4444u) | 0x3210u);
-}
-
-// Eight int4 codes (one 32-bit word, code j in nibble j) -> e4m3 codes 0..3 in lo and 4..7 in hi, exactly
-// (the index and sign selectors computed once for the word: two instructions fewer than two Int4x4ToE4m3).
-__device__ __forceinline__ void Int4x8ToE4m3(uint32_t w, uint32_t& lo, uint32_t& hi) {
-  const uint32_t idx = w & 0x77777777u, idx_hi = idx >> 16;
-  uint32_t pos_lo, neg_lo, pos_hi, neg_hi;
-  Int4E4m3Lookups(idx, pos_lo, neg_lo);
-  Int4E4m3Lookups(idx_hi, pos_hi, neg_hi);
-  const uint32_t sel = ((w >> 1) & 0x44444444u) | 0x32103210u;
-  lo = PickE4m3(pos_lo, neg_lo, sel);
-  hi = PickE4m3(pos_hi, neg_hi, sel >> 16);
 }
 
 // This thread's 16-byte chunks of its fragment rows r and r + 8 (at addr and 8 rows of 64 bytes on) as words:

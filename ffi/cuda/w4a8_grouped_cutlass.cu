@@ -20,6 +20,7 @@
 #include "../common/formats.h"
 #include "../common/groups.h"
 #include "hopper_gemm.cuh"
+#include "int4_e4m3.cuh"
 
 #if defined(JAX_W4A8_HAS_CUTLASS)
 #include "cute/tensor.hpp"
@@ -70,16 +71,7 @@ size_t W4a8CutlassScratchBytes(int64_t m, int64_t e, int64_t n, int64_t k, int64
 namespace {
 using namespace cute;
 
-// int4 codes (two's complement nibbles) -> e4m3 bytes by table lookup: four codes in the low 16 bits give
-// four bytes. Codes 0..7 and 8..15 (-8..-1) each index an 8-byte table with PRMT; a third PRMT picks the
-// table per byte from the code's bit 3.
-__device__ __forceinline__ uint32_t Int4x4ToE4m3(uint32_t v) {
-  const uint32_t idx = v & 0x7777u;
-  const uint32_t pos = __byte_perm(0x44403800u, 0x4E4C4A48u, idx);  //  0, 1, 2, 3, 4, 5, 6, 7
-  const uint32_t neg = __byte_perm(0xCACCCED0u, 0xB8C0C4C8u, idx);  // -8,-7,-6,-5,-4,-3,-2,-1
-  return __byte_perm(pos, neg, 0x3210u | ((v & 0x8888u) >> 1));
-}
-
+// One pass over the experts' int4 weights: 8 codes (a 32-bit word) -> 8 e4m3 bytes (int4_e4m3.cuh).
 __global__ void __launch_bounds__(256) ConvertInt4ToE4m3(const int8_t* __restrict__ w, const int* __restrict__ rows,
                                                          int64_t e0, int64_t units, uint8_t* __restrict__ w8) {
   const int64_t ex = e0 + blockIdx.y;
@@ -89,10 +81,10 @@ __global__ void __launch_bounds__(256) ConvertInt4ToE4m3(const int8_t* __restric
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < units; i += int64_t{gridDim.x} * blockDim.x) {
     const uint4 v = __ldg(src + i);
     uint4 a, b;
-    a.x = Int4x4ToE4m3(v.x & 0xFFFFu); a.y = Int4x4ToE4m3(v.x >> 16);
-    a.z = Int4x4ToE4m3(v.y & 0xFFFFu); a.w = Int4x4ToE4m3(v.y >> 16);
-    b.x = Int4x4ToE4m3(v.z & 0xFFFFu); b.y = Int4x4ToE4m3(v.z >> 16);
-    b.z = Int4x4ToE4m3(v.w & 0xFFFFu); b.w = Int4x4ToE4m3(v.w >> 16);
+    Int4x8ToE4m3(v.x, a.x, a.y);
+    Int4x8ToE4m3(v.y, a.z, a.w);
+    Int4x8ToE4m3(v.z, b.x, b.y);
+    Int4x8ToE4m3(v.w, b.z, b.w);
     dst[2 * i] = a;
     dst[2 * i + 1] = b;
   }
