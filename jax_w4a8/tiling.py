@@ -150,7 +150,12 @@ products and one FMA per accumulator. The heuristic:
   512 rows over 32 experts), at 157 registers and three K groups in flight; the plan's default is 16 where an
   expert's expected rows plus two standard deviations pass 8. Motivation (H200, ``ncu``, the plan's kernel): the batch-1 step's gate+up reads its 117 MB
   in 50.6-52.3 us plus a 4.2 us preparation (2.2 TB/s), its down projection 59 MB in 32.3 + 3.0 us, where the
-  einsum's decode kernel reads o_proj's 117 MB in 32.9 us. Not yet timed on a GPU: the plan does not choose it.
+  einsum's decode kernel reads o_proj's 117 MB in 32.9 us. Timed on an H100 (2026-12-05, timing loop,
+  ``benchmarks/experiments/grouped_decode_ab.py``; correct there: its GPU tests and memcheck pass) it is slower
+  than the plan everywhere, so the plan never chooses it; us, plan / 8-row units / 16-row units: batch-1 top-8
+  gate+up 74.9 / 83.9 / 117.2, down 45.0 / 58.5 / 85.4; 64 rows over 32 experts 202.4 / 275.8 / 350.2 and
+  101.9 / 150.7 / 228.8; 512 rows 252.9 / 632.2 / 540.4 and 136.1 / 394.3 / 388.2. Under ``ncu`` (512 rows,
+  16-row units) its DRAM throughput is 34% of peak at 3 blocks (12 warps) per SM: too few loads in flight.
 * ``tile_tokens=0`` selects the plain CUDA-core kernel (a correctness reference; always available).
 """
 
