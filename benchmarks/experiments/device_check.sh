@@ -4,18 +4,19 @@
 # Each step runs under its own time limit (killed past it) and logs to $OUT/STEP.log (default /tmp/device_check); the
 # console gets each step's exit status and last lines. STEPS picks steps by name prefix (default: all), e.g.
 #   STEPS="tests sanitizer" OUT=$OUT benchmarks/experiments/device_check.sh
-# The whole list takes longer than one device call (600 s): run it in two, e.g. STEPS="tests sanitizer", then
-# STEPS="prefill cluster".
+# The whole list takes longer than one device call (600 s): run it in three, e.g. STEPS="tests sanitizer", then
+# STEPS="prefill cluster", then STEPS="imad".
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"tests sanitizer prefill cluster"}
+STEPS=${STEPS:-"tests sanitizer prefill cluster imad"}
 # Package copies whose _lib holds other builds (carry them too; their steps are skipped when missing):
 # BASE = main before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base), VARIANT = main
 # with einsum_decode_cluster.patch applied (.carry/variants/einsum_cluster). Recipe: benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
 VARIANT=${VARIANT:-.carry/variants/einsum_cluster}
+IMAD=${IMAD:-.carry/variants/imad_shift}  # main with int4_f16_imad_shift.patch
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...
@@ -46,6 +47,16 @@ if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
   if wanted cluster_tests; then
     mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
     step cluster_tests 300 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu -k decode
+    cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
+  fi
+fi
+# 5. the f16 conversion's shift on the FMA pipe (int4_f16_imad_shift.patch): decode A/B, then its GPU tests
+if [[ -d $IMAD/jax_w4a8/_lib ]]; then
+  step imad_ab 330 python3 benchmarks/ab_builds.py main=. imad="$IMAD" --cases decode --rounds 3 --deadline 300
+  if wanted imad_tests; then
+    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$IMAD"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
+    step imad_tests 300 python3 scripts/gpu_tests.py --shards 6 tests/test_w4a8_grouped_gemm.py -m gpu \
+      -k "f16 or decode or batch1 or every_tile"
     cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
   fi
 fi
