@@ -52,11 +52,11 @@ if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
 fi
 # 5. the f16 conversion's shift on the FMA pipe (int4_f16_imad_shift.patch): decode A/B, then its GPU tests
 if [[ -d $IMAD/jax_w4a8/_lib ]]; then
-  step imad_ab 330 python3 benchmarks/ab_builds.py main=. imad="$IMAD" --cases decode --rounds 3 --deadline 300
+  step imad_ab 330 python3 benchmarks/ab_builds.py main=. imad="$IMAD" --cases decode prefill --rounds 2 --deadline 300
   if wanted imad_tests; then
     mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$IMAD"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
     step imad_tests 300 python3 scripts/gpu_tests.py --shards 6 tests/test_w4a8_grouped_gemm.py -m gpu \
-      -k "f16 or decode or batch1 or every_tile"
+      -k "f16 or decode or batch1 or every_tile or folded or 128"
     cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
   fi
 fi
