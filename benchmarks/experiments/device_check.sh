@@ -16,7 +16,7 @@ STEPS=${STEPS:-"tests sanitizer prefill cluster imad"}
 # with einsum_decode_cluster.patch applied (.carry/variants/einsum_cluster). Recipe: benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
 VARIANT=${VARIANT:-.carry/variants/einsum_cluster}
-IMAD=${IMAD:-.carry/variants/imad_shift}  # main with int4_f16_imad_shift.patch
+IMAD=${IMAD:-.carry/variants/int4_integer_pipe}  # main with int4_integer_pipe.patch
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...
@@ -50,7 +50,7 @@ if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
     cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
   fi
 fi
-# 5. the f16 conversion's shift on the FMA pipe (int4_f16_imad_shift.patch): decode A/B, then its GPU tests
+# 5. the int4 kernels' integer-pipe diet (int4_integer_pipe.patch): decode and prefill A/B, then its GPU tests
 if [[ -d $IMAD/jax_w4a8/_lib ]]; then
   step imad_ab 330 python3 benchmarks/ab_builds.py main=. imad="$IMAD" --cases decode prefill --rounds 2 --deadline 300
   if wanted imad_tests; then
