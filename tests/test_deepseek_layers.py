@@ -122,7 +122,9 @@ def test_rms_norm(rng):
     want = (normed.astype(np.float64) * f64(wb)).astype(ml_dtypes.bfloat16).astype(np.float64)
     got = f64(out)
     assert np.mean(got == want) > 0.99                      # exact but for fp32-vs-fp64 rounding ties
-    np.testing.assert_allclose(got, want, rtol=2 ** -7)
+    # where the normalised value rounds the other way (one bf16 step, up to 2^-7 relative), the two products'
+    # roundings (up to 2^-8 each) come on top: 2^-6 at most (one element in about 300 draws passed 2^-7, at 1.1e-2)
+    np.testing.assert_allclose(got, want, rtol=2 ** -6)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
