@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Builds a package copy with a patch of this folder applied, for A/B runs on the GPU machine (ab_builds.py
+# main=. NAME=.carry/variants/NAME; carry the folder with the run):
+#   benchmarks/experiments/build_variant.sh int4_integer_pipe.patch int4_integer_pipe
+#   benchmarks/experiments/build_variant.sh @f6205e4 base     # main at a commit instead of a patch
+# Run from the repository root with a configured CMake build folder (BUILD, default build; CMAKE, default cmake on
+# PATH; PYTHON, default python3, with jax, for the closing check). Applies the patch (or checks out ffi/ of the commit), builds, installs into a temporary prefix, copies
+# jax_w4a8/ with those modules to .carry/variants/NAME, then restores ffi/ and rebuilds main's modules. Refuses to
+# run with uncommitted changes under ffi/.
+set -euo pipefail
+[[ $# -eq 2 ]] || { echo "usage: $0 PATCH|@COMMIT NAME" >&2; exit 2; }
+src=$1 name=$2
+BUILD=${BUILD:-build}
+CMAKE=${CMAKE:-cmake}
+here=$(cd "$(dirname "$0")" && pwd)
+[[ -d $BUILD ]] || { echo "no CMake build folder $BUILD (configure one first: see README, Building by hand)" >&2; exit 2; }
+git diff --quiet -- ffi && git diff --cached --quiet -- ffi || { echo "uncommitted changes under ffi/" >&2; exit 2; }
+restore() { git checkout -q HEAD -- ffi && git clean -qfd -- ffi; }
+trap restore EXIT
+if [[ $src == @* ]]; then
+  git checkout -q "${src#@}" -- ffi
+else
+  git apply "$here/$src"
+fi
+"$CMAKE" --build "$BUILD" -j "$(nproc)" > /dev/null
+prefix=$(mktemp -d)
+"$CMAKE" --install "$BUILD" --prefix "$prefix" > /dev/null
+dest=.carry/variants/$name
+rm -rf "$dest" && mkdir -p "$dest"
+cp -r jax_w4a8 "$dest/"
+find "$dest" -name __pycache__ -prune -exec rm -rf {} +
+rm -f "$dest"/jax_w4a8/_lib/*.so
+cp "$prefix"/jax_w4a8/_lib/*.so "$dest/jax_w4a8/_lib/"
+rm -rf "$prefix"
+restore
+trap - EXIT
+"$CMAKE" --build "$BUILD" -j "$(nproc)" > /dev/null
+(cd /tmp && PYTHONPATH="$OLDPWD/$dest" "${PYTHON:-python3}" -c "import jax_w4a8 as j; print('$dest:', j.build_info()['cuda'])")
