@@ -6,7 +6,7 @@
 # Run from the repository root with a configured CMake build folder (BUILD, default build; CMAKE, default cmake on
 # PATH; PYTHON, default python3, with jax, for the closing check). Applies the patch (or checks out ffi/ of the commit), builds, installs into a temporary prefix, copies
 # jax_w4a8/ with those modules to .carry/variants/NAME, then restores ffi/ and rebuilds main's modules. Refuses to
-# run with uncommitted changes under ffi/.
+# run with uncommitted changes or untracked files under ffi/ (it cleans ffi/ afterwards).
 set -euo pipefail
 [[ $# -eq 2 ]] || { echo "usage: $0 PATCH|@COMMIT NAME" >&2; exit 2; }
 src=$1 name=$2
@@ -15,6 +15,7 @@ CMAKE=${CMAKE:-cmake}
 here=$(cd "$(dirname "$0")" && pwd)
 [[ -d $BUILD ]] || { echo "no CMake build folder $BUILD (configure one first: see README, Building by hand)" >&2; exit 2; }
 git diff --quiet -- ffi && git diff --cached --quiet -- ffi || { echo "uncommitted changes under ffi/" >&2; exit 2; }
+[[ -z $(git ls-files --others --exclude-standard -- ffi) ]] || { echo "untracked files under ffi/" >&2; exit 2; }
 restore() { git checkout -q HEAD -- ffi && git clean -qfd -- ffi; }
 trap restore EXIT
 if [[ $src == @* ]]; then
