@@ -46,9 +46,8 @@ def _words(codes):
     return (nib << (np.uint64(4) * np.arange(8, dtype=np.uint64))).sum(axis=-1).astype(np.uint32)
 
 
-def _all_code_words():
-    """Codes [rows, 8] and their words: every code in all eight positions at once, then random mixes."""
-    rng = np.random.default_rng(0)
+def _all_code_words(rng):
+    """Codes [rows, 8] and their words: every code in all eight positions at once, then fresh random mixes."""
     codes = rng.integers(-8, 8, size=(4096, 8))
     codes[:16, :] = np.arange(-8, 8)[:, None]  # each code in all eight positions at once
     return codes, _words(codes)
@@ -63,12 +62,12 @@ def test_e4m3_tables_hold_every_int4_code():
     np.testing.assert_array_equal(neg, want(np.arange(-8, 0)))
 
 
-def test_eight_codes_to_e4m3_bytes():
+def test_eight_codes_to_e4m3_bytes(rng):
     """Int4x8ToE4m3: idx = w & 0x77777777, sign = w & 0x88888888; lookups by idx and idx >> 16; picks by
     (sign >> 1) + 0x3210 and (sign >> 17) + 0x3210 (codes 0..3 in lo, 4..7 in hi)."""
     assert "(sign >> 1) + 0x3210u" in E4M3 and "(sign >> 17) + 0x3210u" in E4M3
     (p0, p1), (n0, n1) = _tables()
-    codes, w = _all_code_words()
+    codes, w = _all_code_words(rng)
     idx, sign = w & np.uint32(0x77777777), w & np.uint32(0x88888888)
     lo = prmt(prmt(p0, p1, idx), prmt(n0, n1, idx), (sign >> np.uint32(1)) + np.uint32(0x3210))
     hi = prmt(prmt(p0, p1, idx >> np.uint32(16)), prmt(n0, n1, idx >> np.uint32(16)),
@@ -78,11 +77,11 @@ def test_eight_codes_to_e4m3_bytes():
     np.testing.assert_array_equal(got, want)
 
 
-def test_four_codes_to_e4m3_bytes_ignore_the_upper_half():
+def test_four_codes_to_e4m3_bytes_ignore_the_upper_half(rng):
     """Int4x4ToE4m3 reads codes from bits 0..15 only (callers pass words with other codes above)."""
     assert "((nibbles & 0x8888u) >> 1) + 0x3210u" in E4M3
     (p0, p1), (n0, n1) = _tables()
-    codes, w = _all_code_words()
+    codes, w = _all_code_words(rng)
     idx = w & np.uint32(0x7777)
     got = prmt(prmt(p0, p1, idx), prmt(n0, n1, idx), ((w & np.uint32(0x8888)) >> np.uint32(1)) + np.uint32(0x3210))
     want = codes[:, :4].astype(np.float32).astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
@@ -115,10 +114,10 @@ def _f16x2(op, a, *consts):
     return r.astype(np.float16).view("<u4").reshape(np.shape(a))
 
 
-def test_eight_codes_to_f16_pairs():
+def test_eight_codes_to_f16_pairs(rng):
     """Int4x8ToF16: each pair f[j] = (code j, code j + 4) as f16, from w and w >> 8 (or its high word of w * 2^24)."""
     lops, outs = _f16_constants()
-    codes, w = _all_code_words()
+    codes, w = _all_code_words(rng)
     src = {"w": w, "w2": w >> np.uint32(8)}
     regs = {name: (src[s] & np.uint32(mask)) ^ np.uint32(magic) for name, (s, mask, magic) in lops.items()}
     for j in range(4):
