@@ -287,9 +287,7 @@ def _raise_if_nan_code(codes, op, arg):
 def _scale_operand(op, arg, s, ue8m0, impl):
     if s.dtype in _SCALE_CODE_DTYPES:
         if _is_concrete(s):
-            codes = np.asarray(jax.lax.bitcast_convert_type(s, jnp.uint8) if s.dtype != jnp.uint8 else s)
-            if (codes == 0xFF).any():
-                _fail(op, arg, "holds UE8M0 code 0xFF, which is NaN")
+            _raise_if_nan_code(jax.lax.bitcast_convert_type(s, jnp.uint8) if s.dtype != jnp.uint8 else s, op, arg)
         return s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
     _check_dtype(op, arg, s, [jnp.float32, jnp.uint8, jnp.float8_e8m0fnu])
     return pack_ue8m0(s, arg=arg, impl=impl) if ue8m0 else s
@@ -423,9 +421,7 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
     _check_impl(op, impl)
     x = jnp.asarray(x)
     _check_dtype(op, "x", x, [jnp.bfloat16, jnp.float32])
-    if isinstance(group_size, (bool, np.bool_)) or not isinstance(group_size, (int, np.integer)) or group_size <= 0:
-        _fail(op, "group_size", f"must be a positive int, got {group_size!r}")
-    group_size = int(group_size)
+    group_size = quant._check_size_arg(group_size, "group_size", op)
     ue8m0 = _check_flag(op, "ue8m0", ue8m0)
     if x.ndim < 1 or x.shape[-1] == 0 or x.shape[-1] % group_size:
         _fail(op, "x", f"must have its last axis a positive multiple of group_size={group_size}, got {x.shape}")

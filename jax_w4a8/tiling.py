@@ -239,8 +239,8 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
         raise ValueError(f"argument 'tile_tokens' must be None, 0 or one of {allowed}, got {tile_tokens!r}")
     if tile_tokens == 0:
         return GemmPlan(0, 1, 0, 0)
-    if num_sms is not None and (isinstance(num_sms, bool) or not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
-        raise ValueError(f"argument 'num_sms' must be None or an int >= 1, got {num_sms!r}")
+    if num_sms is not None:
+        _check_int("num_sms", num_sms, 1, "None or an int")
     slots = (num_sms or _num_sms()) * _blocks_per_sm(tile_tokens)
     busy = batches if busy is None else busy  # batches with rows (expected)
     units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
@@ -313,13 +313,16 @@ def _gpu_is_sm90() -> bool:
     return cc is None or str(cc) == "9.0"
 
 
+def _check_int(name: str, v, low: int, what: str = "an int") -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
+        raise ValueError(f"argument '{name}' must be {what} >= {low}, got {v!r}")
+
+
 def _check_sizes(**sizes) -> None:
     """The planners' shape arguments: non-negative ints (``m`` and ``h`` may be 0), the others at least 1, and K a
     multiple of 128 (the kernels' K group)."""
     for name, v in sizes.items():
-        low = 0 if name in ("m", "h") else 1
-        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < low:
-            raise ValueError(f"argument '{name}' must be an int >= {low}, got {v!r}")
+        _check_int(name, v, 0 if name in ("m", "h") else 1)
     if sizes["k"] % 128:
         raise ValueError(f"argument 'k' must be a multiple of 128, got {sizes['k']}")
 
