@@ -5,7 +5,8 @@
 # console gets each step's exit status and last lines. STEPS picks steps by name prefix (default: all), e.g.
 #   STEPS="tests sanitizer" OUT=$OUT benchmarks/experiments/device_check.sh
 # The whole list takes longer than one device call (600 s): run it in three, e.g. STEPS="tests sanitizer", then
-# STEPS="prefill cluster", then STEPS="imad".
+# STEPS="prefill cluster", then STEPS="imad". LIMIT_<step>=SECONDS shortens a step (an A/B's deadline follows it), e.g.
+#   LIMIT_imad_ab=280 LIMIT_imad_tests=280 STEPS=imad OUT=$OUT benchmarks/experiments/device_check.sh
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
@@ -19,11 +20,12 @@ VARIANT=${VARIANT:-.carry/variants/einsum_cluster}
 IMAD=${IMAD:-.carry/variants/int4_integer_pipe}  # main with int4_integer_pipe.patch
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
-step() {  # step NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2
+step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment overrides the limit
+  local name=$1 over="LIMIT_$1"
+  local limit=${!over:-$2}
   shift 2
   wanted "$name" || return 0
-  echo "=== $name $(date +%T)"
+  echo "=== $name $(date +%T) (limit ${limit} s)"
   timeout -s KILL "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "rc $?"
   grep -v -i "warn" "$OUT/$name.log" | tail -n 8
@@ -39,11 +41,11 @@ step tests_poisoned 300 python3 scripts/gpu_tests.py --shards 6 tests/test_quant
 step sanitizer 450 python3 -m pytest -q -m gpu tests/test_sanitizer.py
 # 3. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
 if [[ -d $BASE/jax_w4a8/_lib ]]; then
-  step prefill_ab 330 python3 benchmarks/ab_builds.py main="$BASE" sel=. --cases prefill --rounds 3 --deadline 300
+  step prefill_ab 330 python3 benchmarks/ab_builds.py main="$BASE" sel=. --cases prefill --rounds 3 --deadline $(( ${LIMIT_prefill_ab:-330} - 30 ))
 fi
 # 4. the einsum decode kernel's cluster rule: timing-loop A/B against main, then its GPU tests with its modules in
 if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
-  step cluster_ab 330 python3 benchmarks/ab_builds.py main=. cluster="$VARIANT" --cases einsum1 --rounds 3 --deadline 300
+  step cluster_ab 330 python3 benchmarks/ab_builds.py main=. cluster="$VARIANT" --cases einsum1 --rounds 3 --deadline $(( ${LIMIT_cluster_ab:-330} - 30 ))
   if wanted cluster_tests; then
     mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
     step cluster_tests 300 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu -k decode
@@ -52,10 +54,10 @@ if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
 fi
 # 5. the int4 kernels' integer-pipe diet (int4_integer_pipe.patch): decode and prefill A/B, then its GPU tests
 if [[ -d $IMAD/jax_w4a8/_lib ]]; then
-  step imad_ab 330 python3 benchmarks/ab_builds.py main=. imad="$IMAD" --cases decode prefill --rounds 2 --deadline 300
+  step imad_ab 330 python3 benchmarks/ab_builds.py main=. imad="$IMAD" --cases decode prefill --rounds 2 --deadline $(( ${LIMIT_imad_ab:-330} - 30 ))
   if wanted imad_tests; then
     mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$IMAD"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
-    step imad_tests 300 python3 scripts/gpu_tests.py --shards 6 tests/test_w4a8_grouped_gemm.py -m gpu \
+    step imad_tests 300 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py -m gpu \
       -k "f16 or decode or batch1 or every_tile or folded or 128"
     cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
   fi
