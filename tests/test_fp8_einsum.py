@@ -275,7 +275,7 @@ def test_stream_k_with_fewer_blocks_than_resident_on_gpu(rng, device, tile_token
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, h, n, k, recipe, encoding, out_dtype", [
     (1, 1, 576, 7168, "block", "codes", jnp.bfloat16),   # kv_a at one token: a cluster of 8 blocks splits K
-    (1, 1, 1536, 7168, "block", "codes", jnp.bfloat16),  # q_a at one token: 2-warp blocks (on 132 SMs)
+    (1, 1, 1536, 7168, "block", "codes", jnp.bfloat16),  # q_a at one token: a cluster of 4 (on 132 SMs)
     (3, 4, 130, 384, "row", "f32", jnp.float32),         # partial 16-row tile, per-row scales, 3 K groups
     (8, 1, 17, 128, "block", "e8m0fnu", jnp.bfloat16),   # one K group: one warp per block
     (9, 2, 200, 1024, "row", "codes", jnp.float32),      # two 8-token tiles, the second with one token

@@ -3,21 +3,20 @@
 # the repository root on the GPU machine, with the library built (jax_w4a8/_lib, carried from the build machine).
 # Each step runs under its own time limit (killed past it) and logs to $OUT/STEP.log (default /tmp/device_check); the
 # console gets each step's exit status and last lines. STEPS picks steps by name prefix (default: all), e.g.
-#   STEPS="tests sanitizer" OUT=$OUT benchmarks/experiments/device_check.sh
-# The whole list takes longer than one device call (600 s): run it in three, e.g. STEPS="tests sanitizer", then
-# STEPS="prefill cluster", then STEPS="imad". LIMIT_<step>=SECONDS shortens a step (an A/B's deadline follows it), e.g.
-#   LIMIT_imad_ab=280 LIMIT_imad_tests=280 STEPS=imad OUT=$OUT benchmarks/experiments/device_check.sh
+#   STEPS="sanitizer plan" OUT=$OUT benchmarks/experiments/device_check.sh
+# The whole list may take longer than one device call (600 s): run it in two, e.g. STEPS="sanitizer plan", then
+# STEPS="prefill". LIMIT_<step>=SECONDS shortens a step (an A/B's deadline follows it), e.g.
+#   LIMIT_prefill_ab=280 STEPS=prefill OUT=$OUT benchmarks/experiments/device_check.sh
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"tests sanitizer prefill cluster imad"}
+STEPS=${STEPS:-"sanitizer plan prefill"}
 # Package copies whose _lib holds other builds (carry them too; their steps are skipped when missing):
 # BASE = main before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base), VARIANT = main
-# with einsum_decode_cluster.patch applied (.carry/variants/einsum_cluster). Recipe: benchmarks/experiments/README.md.
+# with einsum_decode_plan.patch applied (.carry/variants/einsum_plan). Recipe: benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
-VARIANT=${VARIANT:-.carry/variants/einsum_cluster}
-IMAD=${IMAD:-.carry/variants/int4_integer_pipe}  # main with int4_integer_pipe.patch
+VARIANT=${VARIANT:-.carry/variants/einsum_plan}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment overrides the limit
@@ -32,35 +31,32 @@ step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment over
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader
-# 1. GPU tests whose outputs the fortieth session poisoned (quantizer, fused up-projection, einsum), not yet run
-step tests_poisoned 300 python3 scripts/gpu_tests.py --shards 6 tests/test_quantize_fp8_groups.py \
-  tests/test_w4a8_moe_up.py tests/test_fp8_einsum.py -m gpu -k "not every_tile"
-# 2. every handler under memcheck, racecheck and synccheck, the grouped decode kernel included, through the test
+# 1. every handler under memcheck, racecheck and synccheck, the grouped decode kernel included, through the test
 #    that first fills a JAX compilation cache (run bare, the forty-first session's racecheck stopped while XLA loaded
 #    an executable under it, as in the eighteenth session)
 step sanitizer 450 python3 -m pytest -q -m gpu tests/test_sanitizer.py
+# 2. the einsum decode plan's two-warp blocks for q_b: kernel alone under ncu (main, then the patch), then its GPU
+#    tests with its modules in
+if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
+  plan_ncu() {
+    local c b
+    for c in q_b1 qkv_a1 shared_up1; do for b in . "$VARIANT"; do
+      echo "## $c $b"
+      PYTHONPATH=$b timeout 70 ncu --clock-control none --kernel-name regex:Fp8Decode --metrics gpu__time_duration.sum \
+        python3 benchmarks/profile_case.py "$c" --calls 4 2>&1 | grep -E "^  [A-Za-z_].*\(|gpu__time_duration"
+    done; done
+  }
+  export -f plan_ncu && export VARIANT
+  step plan_ncu 240 bash -c plan_ncu  # timeout runs programs, not shell functions
+  if wanted plan_tests; then
+    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
+    step plan_tests 200 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu -k decode
+    cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
+  fi
+fi
 # 3. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
 if [[ -d $BASE/jax_w4a8/_lib ]]; then
   step prefill_ab 330 python3 benchmarks/ab_builds.py main="$BASE" sel=. --cases prefill --rounds 3 --deadline $(( ${LIMIT_prefill_ab:-330} - 30 ))
-fi
-# 4. the einsum decode kernel's cluster rule: timing-loop A/B against main, then its GPU tests with its modules in
-if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
-  step cluster_ab 330 python3 benchmarks/ab_builds.py main=. cluster="$VARIANT" --cases einsum1 --rounds 3 --deadline $(( ${LIMIT_cluster_ab:-330} - 30 ))
-  if wanted cluster_tests; then
-    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
-    step cluster_tests 300 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu -k decode
-    cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
-  fi
-fi
-# 5. the int4 kernels' integer-pipe diet (int4_integer_pipe.patch): decode and prefill A/B, then its GPU tests
-if [[ -d $IMAD/jax_w4a8/_lib ]]; then
-  step imad_ab 330 python3 benchmarks/ab_builds.py main=. imad="$IMAD" --cases decode prefill --rounds 2 --deadline $(( ${LIMIT_imad_ab:-330} - 30 ))
-  if wanted imad_tests; then
-    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$IMAD"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
-    step imad_tests 300 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py -m gpu \
-      -k "f16 or decode or batch1 or every_tile or folded or 128"
-    cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
-  fi
 fi
 # keep the parallel test runs' per-shard logs (gpu_tests.py writes them under /tmp)
 cat /tmp/gpu_tests_*/* > "$OUT/gpu_tests_shards.log" 2>/dev/null

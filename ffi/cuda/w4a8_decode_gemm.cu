@@ -272,8 +272,9 @@ struct Plan {
   int warps, cluster;
 };
 
-// As the fp8 einsum's decode plan (fp8_decode_gemm.cu PlanFp8Decode): four warps per block, at least one K
-// group per warp, and a cluster of up to 8 blocks splitting K while fewer than 12 warps per SM would run.
+// As the fp8 einsum's decode plan at more than one token tile (fp8_decode_gemm.cu PlanFp8Decode): four warps per
+// block, at least one K group per warp, and a cluster of up to 8 blocks splitting K while fewer than 12 warps per SM
+// would run.
 Plan PlanW4a8Decode(int64_t units, int64_t n, int64_t groups, int sms) {
   const int64_t tiles = units * ((n + kRows - 1) / kRows);
   Plan plan{static_cast<int>(std::min<int64_t>(kMaxWarps, std::max<int64_t>(groups, 1))), 1};
