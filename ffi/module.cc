@@ -1,8 +1,9 @@
 // The Python modules jax_w4a8._lib._ffi_cpu and jax_w4a8._lib._ffi_cuda (this file compiled twice,
 // with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule} and
 // source_sha256() (the fingerprint of the ffi/ sources it was built from); the CUDA module also has
-// built_with_cutlass() and the scratch each CUDA handler checks for a plan (w4a8_grouped_gemm_scratch,
-// w4a8_moe_up_scratch, fp8_einsum_scratch; tests/test_tiling.py).
+// built_with_cutlass(), the scratch each CUDA handler checks for a plan (w4a8_grouped_gemm_scratch,
+// w4a8_moe_up_scratch, fp8_einsum_scratch) and the einsum decode kernel's launch (fp8_decode_launch;
+// tests/test_tiling.py).
 // Target names must match jax_w4a8/_ffi.py:TARGETS.
 #include <nanobind/nanobind.h>
 
@@ -21,6 +22,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8Fp8Einsum));
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8Ue8m0Pack));
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JAX_W4A8_HANDLER(JaxW4a8QuantizeFp8Groups));
 #if defined(JAX_W4A8_CUDA)
+#include "cuda/fp8_decode_gemm.cuh"  // PlanFp8Decode (host code)
+
 XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxW4a8MoeUpCuda);  // CUDA only: other platforms compose unfused ops
 namespace jax_w4a8 {
 bool CutlassBlockwiseBuilt();  // ffi/cuda/fp8_blockwise_cutlass.cu
@@ -73,6 +76,18 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
   });
   m.def("w4a8_moe_up_scratch", [](int64_t m_, int64_t inter, int64_t k, bool f16) {
     return jax_w4a8::W4a8MoeUpScratchNeed(m_, inter, k, f16);
+  });
+  // The fp8 einsum decode kernel's launch for M tokens, H heads, N rows, K / 128 groups on `sms` SMs (tests pin the
+  // measured plans of DeepSeek-V3's linears; tests/test_tiling.py).
+  m.def("fp8_decode_launch", [](int64_t m_, int64_t h, int64_t n, int64_t groups, int sms) {
+    const jax_w4a8::Fp8DecodeLaunch p = jax_w4a8::PlanFp8Decode(m_, h, n, groups, sms);
+    nb::dict d;
+    d["warps"] = p.warps;
+    d["cluster"] = p.cluster;
+    d["whole_tiles"] = p.whole_tiles;
+    d["blocks"] = p.blocks;
+    d["staged"] = p.staged;
+    return d;
   });
   m.def("fp8_einsum_scratch", [](int64_t m_, int64_t h, int64_t n, int64_t k, int tile_tokens, int split_k,
                                  bool cutlass, bool w_ue8m0) -> size_t {

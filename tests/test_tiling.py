@@ -371,6 +371,53 @@ def test_plans_hold_the_scratch_the_cuda_handlers_check():
                 assert p.scratch_bytes == need if p.split_k == 1 else p.scratch_bytes >= need, (mh, h, n, k, p, need)
 
 
+# The fp8 einsum decode kernel's launches for DeepSeek-V3's one-token linears on 132 SMs, the linears' grids as ncu
+# saw them on the H200 (grid x block threads of `profile_case.py CASE`, forty-second session, benchmarks/NOTEBOOK.md;
+# absorb_q1: one wave of four-warp blocks, 4 per SM): (M, H, N, K) -> (warps, cluster, blocks, whole_tiles, staged)
+DECODE_LAUNCHES = {
+    "qkv_a1": ((1, 1, 2112, 7168), (4, 2, 264, False, False)),  # 528 blocks before the 8-warps-per-SM rule
+    "q_a1": ((1, 1, 1536, 7168), (4, 4, 384, False, False)),  # 768 two-warp blocks before it
+    "kv_a1": ((1, 1, 576, 7168), (4, 8, 288, False, False)),
+    "q_b1": ((1, 1, 24576, 1536), (4, 1, 1536, False, False)),
+    "shared_up1": ((1, 1, 4096, 7168), (4, 2, 512, False, False)),
+    "shared_down1": ((1, 1, 7168, 2048), (4, 1, 448, False, False)),
+    "o_proj1": ((1, 1, 7168, 16384), (4, 1, 448, False, True)),
+    "absorb_q1": ((1, 128, 512, 128), (4, 1, 528, True, False)),  # 4096 tiles of one K group: one wave walks them
+}
+
+
+@pytest.mark.parametrize("case", sorted(DECODE_LAUNCHES))
+def test_einsum_decode_launches_of_deepseek_linears(case):
+    (m, h, n, k), (warps, cluster, blocks, whole_tiles, staged) = DECODE_LAUNCHES[case]
+    got = _cuda_module().fp8_decode_launch(m, h, n, k // 128, SMS)
+    assert got == {"warps": warps, "cluster": cluster, "blocks": blocks, "whole_tiles": whole_tiles,
+                   "staged": staged}, case
+
+
+def test_einsum_decode_launches_cover_the_work():
+    """Any shape: split K launches tiles x cluster blocks whose warps each get at least one K group (cluster a power
+    of two up to 8); whole tiles launch at most one wave; the staged kernel only at one token tile with 8 K groups
+    per warp; two-warp blocks only at one token tile."""
+    mod = _cuda_module()
+    rng = np.random.default_rng()
+    for _ in range(3000):
+        m, h = int(rng.integers(1, 33)), int(rng.choice([1, 1, 2, 16, 128]))
+        n, groups = int(rng.integers(1, 40000)), int(rng.integers(1, 300))
+        sms = int(rng.choice([1, 78, 114, 132]))
+        p = mod.fp8_decode_launch(m, h, n, groups, sms)
+        tiles = h * -(-n // 16)
+        where = (m, h, n, groups, sms, p)
+        assert p["warps"] in ((1, 2, 3, 4) if not p["whole_tiles"] else (4,)), where
+        if p["whole_tiles"]:
+            assert p["cluster"] == 1 and 1 <= p["blocks"] <= sms * (4 if m <= 8 else 2), where
+            assert groups < 4 and not p["staged"], where
+            continue
+        assert p["cluster"] in (1, 2, 4, 8) and p["blocks"] == tiles * p["cluster"], where
+        assert p["warps"] == min(4, groups) or (p["warps"] == 2 and m <= 8), where
+        assert p["cluster"] == 1 or p["cluster"] * p["warps"] <= groups, where
+        assert not p["staged"] or (m <= 8 and groups >= 8 * p["cluster"] * p["warps"]), where
+
+
 @pytest.mark.parametrize("unit_rows", tiling.DECODE_UNIT_ROWS)
 def test_decode_kernel_unit_bound_holds_any_routing(unit_rows):
     """The grouped decode kernel's grid provides for decode_unit_bound(M, E, R) units of at most R rows of one

@@ -37,15 +37,6 @@ namespace {
 
 using namespace decode;  // NOLINT(build/namespaces): the decode kernels' shared helpers and sizes
 
-// How a launch spreads the work (PlanFp8Decode).
-struct Fp8DecodeLaunch {
-  int warps;         // warps per block
-  int cluster;       // split K: blocks per cluster splitting a tile's K groups (summed through DSMEM)
-  bool whole_tiles;  // each warp walks whole 16-row tiles (else: a block per tile and cluster rank, split K)
-  int blocks;        // whole tiles: the grid (one wave); split K: tiles x cluster
-  bool staged;       // split K through shared-memory stages (Fp8DecodeStagedKernel)
-};
-
 // One K group's operands of one thread, as loaded.
 template <int NT>
 struct Operands {
@@ -477,6 +468,8 @@ cudaError_t Launch(const Fp8DecodeParams& p, const Fp8DecodeLaunch& plan, cudaSt
   return cudaLaunchKernelEx(&cfg, Fp8DecodeKernel<NT>, p, plan);
 }
 
+}  // namespace
+
 // H200, one-token and 8-token calls of the DeepSeek-V3 linears and MLA products (us, default vs forced
 // alternatives in the same process): more blocks per tile pay while the warps are few (kv_a, 36 tiles:
 // cluster 8 10.3 vs 4 13.7; q_a, 96 tiles: 8 17.6 vs 4 20.1), not once they fill the SMs (o_proj, 448
@@ -529,8 +522,6 @@ Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, i
   plan.staged = nt == 1 && groups >= static_cast<int64_t>(kStagedMinGroups) * plan.cluster * plan.warps;
   return plan;
 }
-
-}  // namespace
 
 cudaError_t LaunchFp8Decode(const Fp8DecodeParams& p, cudaStream_t stream) {
   const Fp8DecodeLaunch plan = PlanFp8Decode(p.m, p.h, p.n, p.groups, CurrentSmCount());

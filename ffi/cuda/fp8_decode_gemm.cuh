@@ -21,6 +21,19 @@ struct Fp8DecodeParams {
   bool x_ue8m0, w_ue8m0, out_bf16;
 };
 
+// How a launch spreads the work (PlanFp8Decode).
+struct Fp8DecodeLaunch {
+  int warps;         // warps per block
+  int cluster;       // split K: blocks per cluster splitting a tile's K groups (summed through DSMEM)
+  bool whole_tiles;  // each warp walks whole 16-row tiles (else: a block per tile and cluster rank, split K)
+  int blocks;        // whole tiles: the grid (one wave); split K: tiles x cluster
+  bool staged;       // split K through shared-memory stages (Fp8DecodeStagedKernel)
+};
+
+// The launch LaunchFp8Decode takes for M tokens of H heads, N weight rows and K / 128 groups on a GPU of `sms`
+// SMs (host code; the CUDA module exposes it to tests as fp8_decode_launch).
+Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, int sms);
+
 // Runs out = einsum on the stream; the caller has checked shapes and M <= kDecodeMaxTokens.
 cudaError_t LaunchFp8Decode(const Fp8DecodeParams& p, cudaStream_t stream);
 
