@@ -4,14 +4,14 @@
 # Each step runs under its own time limit (killed past it) and logs to $OUT/STEP.log (default /tmp/device_check); the
 # console gets each step's exit status and last lines. STEPS picks steps by name prefix (default: all), e.g.
 #   STEPS="sanitizer plan" OUT=$OUT benchmarks/experiments/device_check.sh
-# The whole list may take longer than one device call (600 s): run it in two, e.g. STEPS="sanitizer plan", then
-# STEPS="prefill". LIMIT_<step>=SECONDS shortens a step (an A/B's deadline follows it), e.g.
+# The whole list takes longer than one device call (600 s): run it in two, e.g. STEPS="sanitizer plan", then
+# STEPS="prefill decode_stalls". LIMIT_<step>=SECONDS shortens a step (an A/B's deadline follows it), e.g.
 #   LIMIT_prefill_ab=280 STEPS=prefill OUT=$OUT benchmarks/experiments/device_check.sh
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"sanitizer plan prefill"}
+STEPS=${STEPS:-"sanitizer plan prefill decode_stalls"}
 # Package copies whose _lib holds other builds (carry them too; their steps are skipped when missing):
 # BASE = main before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base), VARIANT = main
 # with einsum_decode_plan.patch applied (.carry/variants/einsum_plan). Recipe: benchmarks/experiments/README.md.
@@ -58,6 +58,21 @@ fi
 if [[ -d $BASE/jax_w4a8/_lib ]]; then
   step prefill_ab 330 python3 benchmarks/ab_builds.py main="$BASE" sel=. --cases prefill --rounds 3 --deadline $(( ${LIMIT_prefill_ab:-330} - 30 ))
 fi
+# 4. what sets the f16 decode tiles' pace at 2.3 TB/s (not the integer pipe: NOTEBOOK, forty-second session): stall
+#    reasons and issue activity of the grouped GEMM's kernel at 512 rows, per SASS line (ncu_summary.py)
+decode_stalls() {
+  local c
+  for c in decode512 down512; do
+    ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
+      -f -o "$OUT/$c" python3 benchmarks/profile_case.py "$c" > /dev/null
+    ncu --import "$OUT/$c.ncu-rep" --page details > "$OUT/$c.details.txt"
+    ncu --import "$OUT/$c.ncu-rep" --page source --print-source sass --csv > "$OUT/$c.csv"
+    echo "## $c" && python3 benchmarks/ncu_summary.py "$OUT/$c.csv" --top 20 && rm -f "$OUT/$c.csv"
+  done
+}
+export -f decode_stalls && export OUT
+step decode_stalls 300 bash -c decode_stalls
 # keep the parallel test runs' per-shard logs (gpu_tests.py writes them under /tmp)
 cat /tmp/gpu_tests_*/* > "$OUT/gpu_tests_shards.log" 2>/dev/null
 echo "=== end $(date +%T)"
