@@ -281,10 +281,10 @@ def test_stream_k_with_fewer_blocks_than_resident_on_gpu(rng, device, tile_token
     (9, 2, 200, 1024, "row", "codes", jnp.float32),      # two 8-token tiles, the second with one token
     (16, 128, 64, 512, "block", "f32", jnp.bfloat16),    # MLA-absorb-like: 128 heads
     (27, 3, 33, 640, "row", "f32", jnp.bfloat16),        # four token tiles, 5 K groups over 4 warps
-    (32, 1, 1536, 2048, "block", "codes", jnp.float32),  # four full token tiles, a cluster of 2
+    (32, 1, 1536, 2048, "block", "codes", jnp.float32),  # four full token tiles, a cluster of 4
     (1, 128, 512, 128, "block", "f32", jnp.bfloat16),    # MLA absorb_q: 4096 tiles of one K group, walked
                                                          # whole by each warp, loads running ahead across tiles
-    (2, 160, 160, 640, "row", "codes", jnp.float32),     # whole tiles of 5 groups, some warps take two
+    (2, 160, 160, 640, "row", "codes", jnp.float32),     # 1600 tiles of 5 K groups over 4 warps: one takes two
     # the staged kernel (split K, >= 8 K groups per warp; plans on 132 SMs): 397 tiles, the last of 8 rows;
     # 4 warps of 8 groups (4 stages of 2 groups each)
     (5, 1, 6344, 4096, "block", "codes", jnp.bfloat16),

@@ -483,11 +483,12 @@ cudaError_t Launch(const Fp8DecodeParams& p, const Fp8DecodeLaunch& plan, cudaSt
 // 16.0, kv_a 9.9 vs 12.0 (one token). This rule against the former plan, means of two rounds, 1 / 8 tokens:
 // q_a 15.6 / 15.1 vs 19.6 / 18.0, wo_a 31.5 / 31.4 vs 33.6 / 33.3, MLA absorb_o (1024 tiles of 4 groups)
 // 13.5 / 13.4 vs 15.4 / 15.5; unchanged plans moved by up to 15% between rounds.
-// At one token tile (up to 8 tokens) the cluster stops at 8 warps per SM (12 before the forty-second session).
+// At one token tile (up to 8 tokens) the cluster doubles only while fewer than 8 warps per SM run (12 before the
+// forty-second session, and still 12 at more tokens).
 // H200, kernel alone under ncu (medians of 3, us), forced (warps, cluster): q_a + kv_a in one product (132 tiles,
 // 56 groups) (4, 4) 14.46, (4, 2) 10.78; shared gate+up (256 tiles) (4, 2) 13.25, (4, 4) 20.80; kv_a (36 tiles)
 // (4, 8) 6.72, (4, 4) 7.68. The rule against the former one, H200, ncu, one token (four calls each, us): q_a + kv_a
-// 14.1-14.6 -> 10.5-11.1 (528 -> 264 blocks), q_a 9.6-9.8 -> 8.9-9.3; q_b, kv_a, o_proj and the shared expert's
+// 14.1-14.6 -> 10.5-11.1 (528 -> 264 blocks), q_a 9.6-10.2 -> 8.9-9.9; q_b, kv_a, o_proj and the shared expert's
 // linears keep their plans.
 Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, int sms) {
   const int64_t tiles = h * ((n + kRows - 1) / kRows);
