@@ -286,9 +286,10 @@ def _raise_if_nan_code(codes, op, arg):
 
 def _scale_operand(op, arg, s, ue8m0, impl):
     if s.dtype in _SCALE_CODE_DTYPES:
+        codes = s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
         if _is_concrete(s):
-            _raise_if_nan_code(jax.lax.bitcast_convert_type(s, jnp.uint8) if s.dtype != jnp.uint8 else s, op, arg)
-        return s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
+            _raise_if_nan_code(codes, op, arg)
+        return codes
     _check_dtype(op, arg, s, [jnp.float32, jnp.uint8, jnp.float8_e8m0fnu])
     return pack_ue8m0(s, arg=arg, impl=impl) if ue8m0 else s
 

@@ -57,7 +57,9 @@ if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
 fi
 # 3. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
 if [[ -d $BASE/jax_w4a8/_lib ]]; then
-  step prefill_ab 300 python3 benchmarks/ab_builds.py main="$BASE" sel=. --cases prefill --rounds 3 --deadline $(( ${LIMIT_prefill_ab:-300} - 30 ))
+  prefill_limit=${LIMIT_prefill_ab:-300}
+  step prefill_ab "$prefill_limit" python3 benchmarks/ab_builds.py main="$BASE" sel=. --cases prefill --rounds 3 \
+    --deadline $((prefill_limit - 30))
 fi
 # 4. what sets the f16 decode tiles' pace at 2.3 TB/s (not the integer pipe: NOTEBOOK, forty-second session): stall
 #    reasons and issue activity of the grouped GEMM's kernel at 512 rows, per SASS line (ncu_summary.py)
