@@ -373,12 +373,13 @@ def test_plans_hold_the_scratch_the_cuda_handlers_check():
 
 # The fp8 einsum decode kernel's launches for DeepSeek-V3's one-token linears on 132 SMs, the linears' grids as ncu
 # saw them on the H200 (grid x block threads of `profile_case.py CASE`, forty-second session, benchmarks/NOTEBOOK.md;
-# absorb_q1: one wave of four-warp blocks, 4 per SM): (M, H, N, K) -> (warps, cluster, blocks, whole_tiles, staged)
+# q_b1's two-warp blocks on the H100 in the forty-third; absorb_q1: one wave of four-warp blocks, 4 per SM):
+# (M, H, N, K) -> (warps, cluster, blocks, whole_tiles, staged)
 DECODE_LAUNCHES = {
     "qkv_a1": ((1, 1, 2112, 7168), (4, 2, 264, False, False)),  # 528 blocks before the 8-warps-per-SM rule
     "q_a1": ((1, 1, 1536, 7168), (4, 4, 384, False, False)),  # 768 two-warp blocks before it
     "kv_a1": ((1, 1, 576, 7168), (4, 8, 288, False, False)),
-    "q_b1": ((1, 1, 24576, 1536), (4, 1, 1536, False, False)),
+    "q_b1": ((1, 1, 24576, 1536), (2, 1, 1536, False, False)),  # four-warp blocks before the forty-third session
     "shared_up1": ((1, 1, 4096, 7168), (4, 2, 512, False, False)),
     "shared_down1": ((1, 1, 7168, 2048), (4, 1, 448, False, False)),
     "o_proj1": ((1, 1, 7168, 16384), (4, 1, 448, False, True)),

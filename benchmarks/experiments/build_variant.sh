@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds a package copy with a patch of this folder applied, for A/B runs on the GPU machine (ab_builds.py
 # main=. NAME=.carry/variants/NAME; carry the folder with the run):
-#   benchmarks/experiments/build_variant.sh einsum_decode_plan.patch einsum_plan
+#   benchmarks/experiments/build_variant.sh decode_pdl.patch pdl
 #   benchmarks/experiments/build_variant.sh @f6205e4 base     # main at a commit instead of a patch
 # Run from the repository root with a configured CMake build folder (BUILD, default build; CMAKE, default cmake on
 # PATH; PYTHON, default python3, with jax, for the closing check). Applies the patch (or checks out ffi/ of the commit), builds, installs into a temporary prefix, copies

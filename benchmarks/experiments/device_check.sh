@@ -3,21 +3,20 @@
 # the repository root on the GPU machine, with the library built (jax_w4a8/_lib, carried from the build machine).
 # Each step runs under its own time limit (killed past it) and logs to $OUT/STEP.log (default /tmp/device_check); the
 # console gets each step's exit status and last lines. STEPS picks steps by name prefix (default: all), e.g.
-#   STEPS="sanitizer plan" OUT=$OUT benchmarks/experiments/device_check.sh
-# The whole list takes longer than one device call (600 s): run it in two, STEPS="sanitizer plan" (at most 570 s),
-# then STEPS="prefill decode_stalls" (570 s). An inner timeout runs in the foreground (in the step's process group), so
-# a step killed at its limit leaves no profiler behind. LIMIT_<step>=SECONDS shortens a step (an A/B's deadline follows it), e.g.
+#   STEPS="sanitizer einsum_tests" OUT=$OUT benchmarks/experiments/device_check.sh
+# The whole list takes longer than one device call (600 s): run it in two, STEPS="sanitizer einsum_tests" (at most
+# 450 s), then STEPS="prefill decode_stalls" (570 s). An inner timeout runs in the foreground (in the step's process
+# group), so a step killed at its limit leaves no profiler behind. LIMIT_<step>=SECONDS shortens a step (an A/B's
+# deadline follows it), e.g.
 #   LIMIT_prefill_ab=280 STEPS=prefill OUT=$OUT benchmarks/experiments/device_check.sh
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"sanitizer plan prefill decode_stalls"}
-# Package copies whose _lib holds other builds (carry them too; their steps are skipped when missing):
-# BASE = main before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base), VARIANT = main
-# with einsum_decode_plan.patch applied (.carry/variants/einsum_plan). Recipe: benchmarks/experiments/README.md.
+STEPS=${STEPS:-"sanitizer einsum_tests prefill decode_stalls"}
+# A package copy whose _lib holds another build (carry it too; its step is skipped when missing): BASE = main before
+# the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe: benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
-VARIANT=${VARIANT:-.carry/variants/einsum_plan}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment overrides the limit
@@ -36,32 +35,16 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noh
 #    that first fills a JAX compilation cache (run bare, the forty-first session's racecheck stopped while XLA loaded
 #    an executable under it, as in the eighteenth session)
 step sanitizer 300 python3 -m pytest -q -m gpu tests/test_sanitizer.py
-# 2. the einsum decode plan's two-warp blocks for q_b: kernel alone under ncu (main, then the patch), then its GPU
-#    tests with its modules in
-if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
-  plan_ncu() {
-    local c b
-    for c in q_b1 qkv_a1 shared_up1; do for b in . "$VARIANT"; do
-      echo "## $c $b"
-      PYTHONPATH=$b timeout --foreground 70 ncu --clock-control none --kernel-name regex:Fp8Decode --metrics gpu__time_duration.sum \
-        python3 benchmarks/profile_case.py "$c" --calls 4 2>&1 | grep -E "^  [A-Za-z_].*\(|gpu__time_duration"
-    done; done
-  }
-  export -f plan_ncu && export VARIANT
-  step plan_ncu 150 bash -c plan_ncu  # timeout runs programs, not shell functions
-  if wanted plan_tests; then
-    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
-    step plan_tests 120 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu -k decode
-    cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
-  fi
-fi
-# 3. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
+# 1b. the einsum's GPU tests on main's build (the forty-second session moved the decode kernel's launch plan into
+#     fp8_decode_gemm.cuh after its GPU runs)
+step einsum_tests 150 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu
+# 2. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
 if [[ -d $BASE/jax_w4a8/_lib ]]; then
   prefill_limit=${LIMIT_prefill_ab:-300}
   step prefill_ab "$prefill_limit" python3 benchmarks/ab_builds.py main="$BASE" sel=. --cases prefill --rounds 3 \
     --deadline $((prefill_limit - 30))
 fi
-# 4. what sets the f16 decode tiles' pace at 2.3 TB/s (not the integer pipe: NOTEBOOK, forty-second session): stall
+# 3. what sets the f16 decode tiles' pace at 2.3 TB/s (not the integer pipe: NOTEBOOK, forty-second session): stall
 #    reasons and issue activity of the grouped GEMM's kernel at 512 rows, per SASS line (ncu_summary.py)
 decode_stalls() {
   local c
@@ -72,6 +55,12 @@ decode_stalls() {
     ncu --import "$OUT/$c.ncu-rep" --page details > "$OUT/$c.details.txt"
     ncu --import "$OUT/$c.ncu-rep" --page source --print-source sass --csv > "$OUT/$c.csv"
     echo "## $c" && python3 benchmarks/ncu_summary.py "$OUT/$c.csv" --top 20 && rm -f "$OUT/$c.csv"
+    # DRAM throughput, issue activity and occupancy of the same kernel (a second run: these sections replay more)
+    timeout --foreground 60 ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 \
+      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+      --section ComputeWorkloadAnalysis python3 benchmarks/profile_case.py "$c" > "$OUT/$c.sol.txt" 2>&1
+    grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Executed Ipc A|Issue Slots Busy|L2 Hit" \
+      "$OUT/$c.sol.txt"
   done
 }
 export -f decode_stalls && export OUT

@@ -514,7 +514,11 @@ Fp8DecodeLaunch PlanFp8Decode(int64_t m, int64_t h, int64_t n, int64_t groups, i
   if (nt == 1 && plan.warps == kMaxWarps) {
     const int64_t fit = 16LL * sms;  // warps resident at once
     const int c2 = cluster_for(2);
-    if (tiles * plan.cluster * kMaxWarps > fit && tiles * c2 * 2 <= fit) {
+    // Two-warp blocks where they fit in one wave and four would not, or where four-warp blocks would not fit
+    // anyway and leave each warp under 4 K groups (q_b: 1536 tiles of 12 groups; kernel alone under ncu, (4, 1) vs
+    // (2, 1): H200 18.46 vs 17.54 us, thirty-ninth session; H100 21.1-21.2 vs 20.3-20.5, forty-third).
+    if ((tiles * plan.cluster * kMaxWarps > fit && tiles * c2 * 2 <= fit) ||
+        (plan.cluster == 1 && tiles * kMaxWarps > fit && groups < 4LL * kMaxWarps)) {
       plan.warps = 2;
       plan.cluster = c2;
     }
