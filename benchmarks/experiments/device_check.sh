@@ -13,7 +13,7 @@ set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"sanitizer einsum_tests prefill decode_stalls"}
+STEPS=${STEPS:-"sanitizer einsum_tests prefill decode_stalls decode_tiles"}
 # A package copy whose _lib holds another build (carry it too; its step is skipped when missing): BASE = main before
 # the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe: benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
@@ -65,6 +65,19 @@ decode_stalls() {
 }
 export -f decode_stalls && export OUT
 step decode_stalls 270 bash -c decode_stalls
+# 4. the same kernel at other token tiles and MMA formats: kernel time, DRAM and L2 throughput, L2 read sectors
+#    (activation bytes through L2 grow with the tile: f16 rows of 2 bytes per K against 64 int4 bytes per K)
+decode_tiles() {
+  local c o
+  for c in decode512 down512; do for o in "" "--tile-tokens 16" "--tile-tokens 64" "--mma e4m3"; do
+    echo "## $c $o"
+    timeout --foreground 40 ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
+      python3 benchmarks/profile_case.py "$c" $o 2>&1 | grep -E "HopperGemmKernel<|__"
+  done; done
+}
+export -f decode_tiles
+step decode_tiles 200 bash -c decode_tiles
 # keep the parallel test runs' per-shard logs (gpu_tests.py writes them under /tmp)
 cat /tmp/gpu_tests_*/* > "$OUT/gpu_tests_shards.log" 2>/dev/null
 echo "=== end $(date +%T)"
