@@ -13,10 +13,13 @@ set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"sanitizer einsum_tests prefill decode_stalls decode_tiles"}
+STEPS=${STEPS:-"sanitizer einsum_tests variant prefill decode_stalls decode_tiles"}
 # A package copy whose _lib holds another build (carry it too; its step is skipped when missing): BASE = main before
 # the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe: benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
+# VARIANT = main with decode_rows.patch applied (.carry/variants/rows: the f16 decode tiles load only their unit's
+# activation rows).
+VARIANT=${VARIANT:-.carry/variants/rows}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment overrides the limit
@@ -38,6 +41,17 @@ step sanitizer 300 python3 -m pytest -q -m gpu tests/test_sanitizer.py
 # 1b. the einsum's GPU tests on main's build (the forty-second session moved the decode kernel's launch plan into
 #     fp8_decode_gemm.cuh after its GPU runs)
 step einsum_tests 150 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu
+# 1c. the variant: the grouped GEMM's GPU tests with its modules in, then a same-machine A/B at decode
+if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
+  if wanted variant_tests; then
+    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
+    step variant_tests 240 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py tests/test_w4a8_moe_up.py -m gpu
+    cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
+  fi
+  variant_limit=${LIMIT_variant_ab:-240}
+  step variant_ab "$variant_limit" python3 benchmarks/ab_builds.py main=. var="$VARIANT" --cases decode --rounds 4 \
+    --deadline $((variant_limit - 30))
+fi
 # 2. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
 if [[ -d $BASE/jax_w4a8/_lib ]]; then
   prefill_limit=${LIMIT_prefill_ab:-300}
@@ -69,14 +83,14 @@ step decode_stalls 270 bash -c decode_stalls
 #    (activation bytes through L2 grow with the tile: f16 rows of 2 bytes per K against 64 int4 bytes per K)
 decode_tiles() {
   local c o
-  for c in decode512 down512; do for o in "" "--tile-tokens 16" "--tile-tokens 64" "--mma e4m3"; do
+  for c in ${TILE_CASES:-decode512 down512}; do for o in "" "--tile-tokens 16" "--tile-tokens 64" "--mma e4m3"; do
     echo "## $c $o"
     timeout --foreground 40 ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
       python3 benchmarks/profile_case.py "$c" $o 2>&1 | grep -E "HopperGemmKernel<|__"
   done; done
 }
-export -f decode_tiles
+export -f decode_tiles && export TILE_CASES=${TILE_CASES:-decode512 down512}
 step decode_tiles 200 bash -c decode_tiles
 # keep the parallel test runs' per-shard logs (gpu_tests.py writes them under /tmp)
 cat /tmp/gpu_tests_*/* > "$OUT/gpu_tests_shards.log" 2>/dev/null
