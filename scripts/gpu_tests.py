@@ -8,7 +8,8 @@ The GPU tests spend much of their time compiling and in float64 references on th
 run several pytest processes at once (this project's sessions ran 6-8 on the H200: 165 einsum GPU tests in
 about 70-120 s).
 The selected tests are collected once and dealt round-robin to the processes; each process may take
-``--mem-fraction`` of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.9 / shards). Prints each
+``--mem-fraction`` of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.9 / shards, with fewer
+processes where that share of the GPU, as ``nvidia-smi`` reports it, is under ``--min-gib``). Prints each
 process's pytest summary, then every failed or errored test; exits 0 only if every process passed (or
 had nothing to run). Uses the interpreter it runs under: run it where the package imports (the set-up of
 ``scripts/test.sh``, or a GPU machine's own environment with ``PYTHONPATH`` at the checkout).
@@ -43,6 +44,23 @@ def deal(ids: list[str], shards: int) -> list[list[str]]:
     return [part for part in (ids[i::shards] for i in range(shards)) if part]
 
 
+def gpu_memory_gib() -> float | None:
+    """The first GPU's memory in GiB as ``nvidia-smi`` reports it; None where it cannot say."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        return float(r.stdout.split()[0]) / 1024 if r.returncode == 0 else None  # MiB
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def fit_shards(shards: int, gpu_gib: float | None, min_gib: float) -> int:
+    """At most ``shards`` processes, and no more than give each ``min_gib`` of 0.9 of the GPU (at least one)."""
+    if gpu_gib is None or min_gib <= 0:
+        return shards
+    return max(1, min(shards, int(0.9 * gpu_gib // min_gib)))
+
+
 def summary_line(log: str) -> str:
     lines = [ln for ln in log.splitlines() if _SUMMARY.match(ln.strip())]
     return lines[-1].strip("= ") if lines else "(no pytest summary: see the log)"
@@ -58,13 +76,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=4, help="pytest processes (default 4)")
     ap.add_argument("--mem-fraction", type=float, default=None,
                     help="GPU memory per process for XLA (default 0.9 / shards)")
+    ap.add_argument("--min-gib", type=float, default=12.0,
+                    help="without --mem-fraction: fewer processes where 0.9 / shards of the GPU is under this many "
+                         "GiB (default 12: the batch-1 routing tests hold 256 experts' weights, 3.5 GiB, and XLA "
+                         "asks for twice that; 8 processes on an 80 GB H100 ran out of memory there); 0 turns it off")
     ap.add_argument("--logs", default=None, help="folder for each process's log (default: a temporary one)")
     ap.add_argument("--cwd", default=None, help="where pytest runs (default: the checkout holding this script)")
     args, pytest_args = ap.parse_known_args(argv)
     pytest_args = [a for a in pytest_args if a != "--"] or DEFAULT_SELECTION
     if args.shards < 1:
         ap.error("--shards must be at least 1")
-    fraction = args.mem_fraction if args.mem_fraction is not None else 0.9 / args.shards
+    shards = args.shards if args.mem_fraction is not None else fit_shards(args.shards, gpu_memory_gib(), args.min_gib)
+    fraction = args.mem_fraction if args.mem_fraction is not None else 0.9 / shards
     if not 0.0 < fraction <= 1.0:
         ap.error("--mem-fraction must be in (0, 1]")
     cwd = args.cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -72,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(logs, exist_ok=True)
 
     ids = collect(pytest_args, cwd)
-    parts = deal(ids, args.shards)
+    parts = deal(ids, shards)
     print(f"gpu_tests: {len(ids)} tests in {len(parts)} processes, {fraction:.2f} of GPU memory each; logs in {logs}",
           flush=True)
     env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{fraction:.3f}")

@@ -61,6 +61,15 @@ def test_deal_spreads_neighbours_and_drops_empty_shards():
     assert gpu_tests.deal(list("ab"), 4) == [["a"], ["b"]]
 
 
+def test_shards_shrink_to_give_each_process_its_minimum_memory():
+    assert gpu_tests.fit_shards(8, 139.8, 12.0) == 8  # H200: 15.7 GiB each
+    assert gpu_tests.fit_shards(8, 79.6, 12.0) == 5  # H100 80 GB: 14.3 GiB each instead of 9.0
+    assert gpu_tests.fit_shards(4, 79.6, 12.0) == 4
+    assert gpu_tests.fit_shards(8, 8.0, 12.0) == 1  # a small GPU still runs one process
+    assert gpu_tests.fit_shards(8, None, 12.0) == 8  # no nvidia-smi: as asked
+    assert gpu_tests.fit_shards(8, 79.6, 0.0) == 8  # turned off
+
+
 def test_bad_arguments_are_named(tmp_path):
     r = _run(tmp_path, "--shards", "0", "x.py")
     assert r.returncode == 2 and "--shards" in r.stderr
