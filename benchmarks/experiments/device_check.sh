@@ -1,24 +1,24 @@
 #!/usr/bin/env bash
-# The prepared GPU checks of benchmarks/experiments/README.md ("Waiting for a device") in one or two device calls: run from
-# the repository root on the GPU machine, with the library built (jax_w4a8/_lib, carried from the build machine).
-# Each step runs under its own time limit (killed past it) and logs to $OUT/STEP.log (default /tmp/device_check); the
-# console gets each step's exit status and last lines. STEPS picks steps by name prefix (default: all), e.g.
-#   STEPS="sanitizer einsum_tests" OUT=$OUT benchmarks/experiments/device_check.sh
-# The whole list takes longer than one device call (600 s): run it in two, STEPS="sanitizer einsum_tests" (at most
-# 450 s), then STEPS="prefill decode_stalls" (570 s). An inner timeout runs in the foreground (in the step's process
-# group), so a step killed at its limit leaves no profiler behind. LIMIT_<step>=SECONDS shortens a step (an A/B's
-# deadline follows it), e.g.
-#   LIMIT_prefill_ab=280 STEPS=prefill OUT=$OUT benchmarks/experiments/device_check.sh
+# The prepared GPU checks of benchmarks/experiments/README.md ("Waiting for a device") in a few device calls: run
+# from the repository root on the GPU machine, with the library built (jax_w4a8/_lib, carried from the build
+# machine). Each step runs under its own time limit (killed past it) and logs to $OUT/STEP.log (default
+# /tmp/device_check); the console gets each step's exit status and last lines. STEPS picks steps by name prefix
+# (default: all). The whole list takes longer than one device call (600 s): run it in calls of at most 600 s, e.g.
+#   STEPS="decode_stalls decode_tiles" OUT=$OUT benchmarks/experiments/device_check.sh      (470 s)
+#   STEPS="variant prefill" LIMIT_variant_ab=180 LIMIT_prefill_ab=150 OUT=$OUT ...            (570 s)
+# LIMIT_<step>=SECONDS shortens a step (an A/B's deadline follows it). An inner timeout runs in the foreground (in
+# the step's process group), so a step killed at its limit leaves no profiler behind.
 set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
 STEPS=${STEPS:-"sanitizer einsum_tests variant prefill decode_stalls decode_tiles"}
-# A package copy whose _lib holds another build (carry it too; its step is skipped when missing): BASE = main before
-# the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe: benchmarks/experiments/README.md.
+# Package copies whose _lib holds another build (carry them too; their steps are skipped when missing): BASE = main
+# before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe:
+# benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
-# VARIANT = main with decode_rows.patch applied (.carry/variants/rows: the f16 decode tiles load only their unit's
-# activation rows).
+# VARIANT = main with decode_rows.patch applied (.carry/variants/rows: the f16 decode tiles load half a tile of
+# activation rows where their unit has no more).
 VARIANT=${VARIANT:-.carry/variants/rows}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
@@ -38,14 +38,15 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noh
 #    that first fills a JAX compilation cache (run bare, the forty-first session's racecheck stopped while XLA loaded
 #    an executable under it, as in the eighteenth session)
 step sanitizer 300 python3 -m pytest -q -m gpu tests/test_sanitizer.py
-# 1b. the einsum's GPU tests on main's build (the forty-second session moved the decode kernel's launch plan into
-#     fp8_decode_gemm.cuh after its GPU runs)
+# 1b. the einsum's GPU tests on main's build
 step einsum_tests 150 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu
 # 1c. the variant: the grouped GEMM's GPU tests with its modules in, then a same-machine A/B at decode
 if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
   if wanted variant_tests; then
-    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/" && cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
-    step variant_tests 240 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py tests/test_w4a8_moe_up.py -m gpu
+    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/"
+    cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
+    step variant_tests 240 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py \
+      tests/test_w4a8_moe_up.py -m gpu
     cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
   fi
   variant_limit=${LIMIT_variant_ab:-240}
