@@ -23,7 +23,8 @@ is not stale, and reports the fingerprint of the ffi/ sources its modules were b
 measures the same-build spread on purpose).
 
 Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused
-up-projection at 64 and 512), einsum (DeepSeek-V3 linears at 1 and 64 tokens, UE8M0 codes), einsum1 (a decode
+up-projection at 64 and 512), batch1 (a batch-1 decode step's routed experts: one row on each of 8 of 256 experts,
+gate+up and down at DeepSeek-V3 widths, the other experts' weights zeros), einsum (DeepSeek-V3 linears at 1 and 64 tokens, UE8M0 codes), einsum1 (a decode
 step's one-token linears: q_a + kv_a in one product, q_b, kv_a, the shared expert's gate+up and down, o_proj),
 prefill (grouped
 GEMM at 4096 rows with float32, UE8M0 and per-tensor activation scales, einsum 4096 x 7168 x 7168), tiny (small
@@ -42,7 +43,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-CASE_SETS = ("decode", "einsum", "einsum1", "prefill", "tiny")
+CASE_SETS = ("decode", "batch1", "einsum", "einsum1", "prefill", "tiny")
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -65,6 +66,13 @@ def _cases(names):
         w8, wsb = quant.quantize_fp8_blocks(w, ue8m0=True)
         return x8, quant.encode_ue8m0(xs), w8, quant.encode_ue8m0(wsb)
 
+    def top8(key, n, k, i, e=256):  # one row on each of 8 experts spread over e (profile_case.py's top8 cases)
+        x, xs, wb, wsb, _ = grouped(key, 8, 8, n, k, i)
+        busy = jnp.arange(8) * (e // 8)
+        w = jnp.zeros((e, n, k // 2), jnp.int8).at[busy].set(wb)
+        ws = jnp.full((e, n, k // 128), 0.01, jnp.float32).at[busy].set(wsb)
+        return x, xs, w, ws, jnp.zeros((e,), jnp.int32).at[busy].set(1)
+
     gemm = ops.w4a8_grouped_gemm
     fused = lambda *a: ops.w4a8_moe_up(*a, fused=True)[0]  # noqa: E731
     einsum = lambda *a: ops.fp8_einsum("md,nd->mn", *a)  # noqa: E731
@@ -77,6 +85,9 @@ def _cases(names):
                     out.append((f"{shape} M={m}", gemm, [grouped(key, m, 32, n, k, i) for i in range(2)]))
                 if m != 256:
                     out.append((f"fused M={m}", fused, [grouped(key, m, 32, 4096, 7168, i) for i in range(2)]))
+        elif name == "batch1":
+            for shape, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
+                out.append((f"top8 {shape} M=8", gemm, [top8(key, n, k, i) for i in range(2)]))
         elif name == "einsum":
             for shape, n, k in (("q_a", 1536, 7168), ("kv_a", 576, 7168), ("o_proj", 7168, 16384),
                                 ("square", 7168, 7168)):

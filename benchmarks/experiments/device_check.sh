@@ -17,8 +17,10 @@ STEPS=${STEPS:-"sanitizer einsum_tests variant prefill decode_stalls decode_tile
 # before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe:
 # benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
-# VARIANT = main with decode_rows.patch applied (.carry/variants/rows: the f16 decode tiles load half a tile of
-# activation rows where their unit has no more).
+# VARIANT = main with a patch of this folder applied, for the steps variant_tests and variant_ab (the A/B times
+# VARIANT_CASES of ab_builds.py, default decode): .carry/variants/rows (decode_rows.patch: the f16 decode tiles load
+# half a tile of activation rows where their unit has no more; the default) or .carry/variants/occ
+# (decode_occupancy.patch: three blocks per SM for the 8-token f16 kernel; VARIANT_CASES="decode batch1").
 VARIANT=${VARIANT:-.carry/variants/rows}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
@@ -42,15 +44,17 @@ step sanitizer 300 python3 -m pytest -q -m gpu tests/test_sanitizer.py
 step einsum_tests 150 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu
 # 1c. the variant: the grouped GEMM's GPU tests with its modules in, then a same-machine A/B at decode
 if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
+  # the variant's whole package (its Python modules may differ too) in the checkout's place for the tests (python -m
+  # pytest puts the checkout ahead of PYTHONPATH), then the checkout's back
   if wanted variant_tests; then
-    mkdir -p "$OUT/main_lib" && cp jax_w4a8/_lib/*.so "$OUT/main_lib/"
-    cp "$VARIANT"/jax_w4a8/_lib/*.so jax_w4a8/_lib/
+    rm -rf "$OUT/main_pkg" && cp -r jax_w4a8 "$OUT/main_pkg" && cp -r "$VARIANT"/jax_w4a8/. jax_w4a8/
     step variant_tests 240 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py \
       tests/test_w4a8_moe_up.py -m gpu
-    cp "$OUT"/main_lib/*.so jax_w4a8/_lib/ && rm -rf "$OUT/main_lib"
+    rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
   fi
   variant_limit=${LIMIT_variant_ab:-240}
-  step variant_ab "$variant_limit" python3 benchmarks/ab_builds.py main=. var="$VARIANT" --cases decode --rounds 4 \
+  step variant_ab "$variant_limit" python3 benchmarks/ab_builds.py main=. var="$VARIANT" --cases ${VARIANT_CASES:-decode} \
+    --rounds 4 \
     --deadline $((variant_limit - 30))
 fi
 # 2. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
