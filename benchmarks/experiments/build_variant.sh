@@ -4,9 +4,11 @@
 #   benchmarks/experiments/build_variant.sh decode_pdl.patch pdl
 #   benchmarks/experiments/build_variant.sh @f6205e4 base     # main at a commit instead of a patch
 # Run from the repository root with a configured CMake build folder (BUILD, default build; CMAKE, default cmake on
-# PATH; PYTHON, default python3, with jax, for the closing check). Applies the patch (or checks out ffi/ of the commit), builds, installs into a temporary prefix, copies
-# jax_w4a8/ with those modules to .carry/variants/NAME, then restores ffi/ and rebuilds main's modules. Refuses to
-# run with uncommitted changes or untracked files under ffi/ (it cleans ffi/ afterwards).
+# PATH; PYTHON, default python3, with jax, for the closing check). Applies the patch (or checks out ffi/ of the
+# commit), builds, installs into a temporary prefix, copies jax_w4a8/ with those modules (and the patch's Python
+# changes) to .carry/variants/NAME, then restores ffi/ and the patch's other files and rebuilds main's modules.
+# Refuses to run with uncommitted changes or untracked files under ffi/ or in the patch's files (it cleans ffi/
+# afterwards).
 set -euo pipefail
 [[ $# -eq 2 ]] || { echo "usage: $0 PATCH|@COMMIT NAME" >&2; exit 2; }
 src=$1 name=$2
@@ -14,14 +16,22 @@ BUILD=${BUILD:-build}
 CMAKE=${CMAKE:-cmake}
 here=$(cd "$(dirname "$0")" && pwd)
 [[ -d $BUILD ]] || { echo "no CMake build folder $BUILD (configure one first: see README, Building by hand)" >&2; exit 2; }
-git diff --quiet -- ffi && git diff --cached --quiet -- ffi || { echo "uncommitted changes under ffi/" >&2; exit 2; }
+touched=(ffi)
+[[ $src == @* ]] || mapfile -t -O 1 touched < <(git apply --numstat "$here/$src" | cut -f3)
+git diff --quiet -- "${touched[@]}" && git diff --cached --quiet -- "${touched[@]}" ||
+  { echo "uncommitted changes under ${touched[*]}" >&2; exit 2; }
 [[ -z $(git ls-files --others --exclude-standard -- ffi) ]] || { echo "untracked files under ffi/" >&2; exit 2; }
-restore() { git checkout -q HEAD -- ffi && git clean -qfd -- ffi; }
+applied=0
+restore() {
+  if [[ $src == @* ]]; then git checkout -q HEAD -- ffi && git clean -qfd -- ffi
+  elif ((applied)); then git apply -R "$here/$src" && applied=0  # its new files too
+  fi
+}
 trap restore EXIT
 if [[ $src == @* ]]; then
   git checkout -q "${src#@}" -- ffi
 else
-  git apply "$here/$src"
+  git apply "$here/$src" && applied=1
 fi
 "$CMAKE" --build "$BUILD" -j "$(nproc)" > /dev/null
 prefix=$(mktemp -d)
