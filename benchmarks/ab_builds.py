@@ -23,12 +23,11 @@ is not stale, and reports the fingerprint of the ffi/ sources its modules were b
 measures the same-build spread on purpose).
 
 Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused
-up-projection at 64 and 512), batch1 (a batch-1 decode step's routed experts: one row on each of 8 of 256 experts,
-gate+up and down at DeepSeek-V3 widths, the other experts' weights zeros), einsum (DeepSeek-V3 linears at 1 and 64 tokens, UE8M0 codes), einsum1 (a decode
-step's one-token linears: q_a + kv_a in one product, q_b, kv_a, the shared expert's gate+up and down, o_proj),
-prefill (grouped
-GEMM at 4096 rows with float32, UE8M0 and per-tensor activation scales, einsum 4096 x 7168 x 7168), tiny (small
-shapes that also run on the CPU, for tests).
+up-projection at 64 and 512), batch1 (a batch-1 decode step's routed experts: one row on each of 8 of 256
+experts, gate+up and down at DeepSeek-V3 widths, the other experts' weights zeros), einsum (DeepSeek-V3 linears at
+1 and 64 tokens, UE8M0 codes), einsum1 (a decode step's one-token linears: q_a + kv_a in one product, q_b, kv_a,
+the shared expert's gate+up and down, o_proj), prefill (grouped GEMM at 4096 rows with float32, UE8M0 and
+per-tensor activation scales, einsum 4096 x 7168 x 7168), tiny (small shapes that also run on the CPU, for tests).
 """
 
 from __future__ import annotations
