@@ -53,6 +53,7 @@ def _cases(names):
 
     from jax_w4a8 import ops, quant
     from probe_kernels import _grouped_case  # the same data as the probes, any expert count
+    from profile_case import _top8_case  # ... and as the profiler's batch-1 cases
 
     def grouped(key, m, e, n, k, i):
         return _grouped_case(jax.random.fold_in(key, i), m, n, k, i, e=e)
@@ -64,13 +65,6 @@ def _cases(names):
         x8, xs = quant.quantize_fp8_groups(x, ue8m0=True)
         w8, wsb = quant.quantize_fp8_blocks(w, ue8m0=True)
         return x8, quant.encode_ue8m0(xs), w8, quant.encode_ue8m0(wsb)
-
-    def top8(key, n, k, i, e=256):  # one row on each of 8 experts spread over e (profile_case.py's top8 cases)
-        x, xs, wb, wsb, _ = grouped(key, 8, 8, n, k, i)
-        busy = jnp.arange(8) * (e // 8)
-        w = jnp.zeros((e, n, k // 2), jnp.int8).at[busy].set(wb)
-        ws = jnp.full((e, n, k // 128), 0.01, jnp.float32).at[busy].set(wsb)
-        return x, xs, w, ws, jnp.zeros((e,), jnp.int32).at[busy].set(1)
 
     gemm = ops.w4a8_grouped_gemm
     fused = lambda *a: ops.w4a8_moe_up(*a, fused=True)[0]  # noqa: E731
@@ -86,7 +80,8 @@ def _cases(names):
                     out.append((f"fused M={m}", fused, [grouped(key, m, 32, 4096, 7168, i) for i in range(2)]))
         elif name == "batch1":
             for shape, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
-                out.append((f"top8 {shape} M=8", gemm, [top8(key, n, k, i) for i in range(2)]))
+                sets = [_top8_case(jax.random.fold_in(key, i), n, k) for i in range(2)]
+                out.append((f"top8 {shape} M=8", gemm, sets))
         elif name == "einsum":
             for shape, n, k in (("q_a", 1536, 7168), ("kv_a", 576, 7168), ("o_proj", 7168, 16384),
                                 ("square", 7168, 7168)):

@@ -86,8 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     pytest_args = [a for a in pytest_args if a != "--"] or DEFAULT_SELECTION
     if args.shards < 1:
         ap.error("--shards must be at least 1")
-    shards = args.shards if args.mem_fraction is not None else fit_shards(args.shards, gpu_memory_gib(), args.min_gib)
-    fraction = args.mem_fraction if args.mem_fraction is not None else 0.9 / shards
+    if args.mem_fraction is not None:
+        shards, fraction = args.shards, args.mem_fraction
+    else:
+        shards = fit_shards(args.shards, gpu_memory_gib(), args.min_gib)
+        fraction = 0.9 / shards
     if not 0.0 < fraction <= 1.0:
         ap.error("--mem-fraction must be in (0, 1]")
     cwd = args.cwd or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

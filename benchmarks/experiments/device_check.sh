@@ -54,8 +54,7 @@ if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
   fi
   variant_limit=${LIMIT_variant_ab:-240}
   step variant_ab "$variant_limit" python3 benchmarks/ab_builds.py main=. var="$VARIANT" --cases ${VARIANT_CASES:-decode} \
-    --rounds 4 \
-    --deadline $((variant_limit - 30))
+    --rounds 4 --deadline $((variant_limit - 30))
 fi
 # 2. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
 if [[ -d $BASE/jax_w4a8/_lib ]]; then
@@ -68,18 +67,16 @@ fi
 decode_stalls() {
   local c
   for c in decode512 down512; do
+    # stall reasons per SASS line, and the DRAM throughput, issue activity and occupancy of the same launch
     ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
+      --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
       -f -o "$OUT/$c" python3 benchmarks/profile_case.py "$c" > /dev/null
     ncu --import "$OUT/$c.ncu-rep" --page details > "$OUT/$c.details.txt"
     ncu --import "$OUT/$c.ncu-rep" --page source --print-source sass --csv > "$OUT/$c.csv"
     echo "## $c" && python3 benchmarks/ncu_summary.py "$OUT/$c.csv" --top 20 && rm -f "$OUT/$c.csv"
-    # DRAM throughput, issue activity and occupancy of the same kernel (a second run: these sections replay more)
-    timeout --foreground 60 ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 \
-      --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
-      --section ComputeWorkloadAnalysis python3 benchmarks/profile_case.py "$c" > "$OUT/$c.sol.txt" 2>&1
     grep -E "Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Executed Ipc A|Issue Slots Busy|L2 Hit" \
-      "$OUT/$c.sol.txt"
+      "$OUT/$c.details.txt"
   done
 }
 export -f decode_stalls && export OUT
@@ -88,14 +85,14 @@ step decode_stalls 270 bash -c decode_stalls
 #    (activation bytes through L2 grow with the tile: f16 rows of 2 bytes per K against 64 int4 bytes per K)
 decode_tiles() {
   local c o
-  for c in ${TILE_CASES:-decode512 down512}; do for o in "" "--tile-tokens 16" "--tile-tokens 64" "--mma e4m3"; do
+  for c in $TILE_CASES; do for o in "" "--tile-tokens 16" "--tile-tokens 64" "--mma e4m3"; do
     echo "## $c $o"
     timeout --foreground 40 ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
       python3 benchmarks/profile_case.py "$c" $o 2>&1 | grep -E "HopperGemmKernel<|__"
   done; done
 }
-export -f decode_tiles && export TILE_CASES=${TILE_CASES:-decode512 down512}
+export -f decode_tiles && export TILE_CASES=${TILE_CASES:-decode512 down512}  # the cases it profiles
 step decode_tiles 200 bash -c decode_tiles
 # keep the parallel test runs' per-shard logs (gpu_tests.py writes them under /tmp)
 cat /tmp/gpu_tests_*/* > "$OUT/gpu_tests_shards.log" 2>/dev/null
