@@ -31,7 +31,7 @@ def _library():
 LIB = _library()
 # HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK, kFoldX>, mangled:
 # ...HopperGemmKernelILi16ELb1ELi1ELb1ELb0ELb0ELb0EE...
-KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])ELb([01])ELb([01])ELb([01])EE")
+KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])ELb([01])ELb([01])ELb([01])ELi([24])EE")
 
 
 def _tool(name):
@@ -69,7 +69,8 @@ def kernels(functions):
             tok, int4, parts, f16, token_rows = int(m[1]), m[2] == "1", int(m[3]), m[4] == "1", m[5] == "1"
             rows = ("token rows, stream-K" if m[6] == "1" else "token rows",) if token_rows else ()
             folded = ("folded",) if m[7] == "1" else ()
-            found[(tok, int4, parts, f16) + rows + folded] = body
+            wide = ("wide",) if m[8] == "4" else ()  # four consumer warpgroups, 256 weight rows
+            found[(tok, int4, parts, f16) + rows + folded + wide] = body
     return found
 
 
@@ -81,6 +82,7 @@ def test_every_tile_configuration_is_built(kernels):
                 | {(128, True, 1, False, "folded")}  # ... with the activation scales folded into the activations
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
                 | {(t, True, 1, True) for t in (8, 16, 32, 64, 128)}  # int4 grouped GEMM, f16 MMA
+                | {(t, True, 1, True, "wide") for t in (16, 32)}  # ... 256 weight rows per block
                 | {(t, True, 2, True) for t in (8, 16, 32, 64)})  # fused up-projection, f16 MMA
     assert set(kernels) == expected
 

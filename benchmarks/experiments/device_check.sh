@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"sanitizer einsum_tests variant prefill decode_stalls decode_tiles"}
+STEPS=${STEPS:-"sanitizer einsum_tests variant_tests variant_ab prefill decode_stalls decode_tiles variant_ncu"}
 # Package copies whose _lib holds another build (carry them too; their steps are skipped when missing): BASE = main
 # before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe:
 # benchmarks/experiments/README.md.
@@ -94,6 +94,19 @@ decode_tiles() {
 }
 export -f decode_tiles && export TILE_CASES=${TILE_CASES:-decode512 down512}  # the cases it profiles
 step decode_tiles 200 bash -c decode_tiles
+# 5. the same counters for main's build and the variant's, at the plan's tile
+variant_ncu() {
+  local c pkg
+  for c in $TILE_CASES; do for pkg in "$PWD" "$PWD/$VARIANT"; do
+    echo "## $c ${pkg#$PWD}"
+    PYTHONPATH=$pkg timeout --foreground 40 ncu --clock-control none --kernel-name regex:HopperGemmKernel \
+      --launch-skip 1 --launch-count 1 \
+      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
+      python3 benchmarks/profile_case.py "$c" 2>&1 | grep -E "HopperGemmKernel<|__"
+  done; done
+}
+export -f variant_ncu && export VARIANT
+[[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 120 bash -c variant_ncu
 # keep the parallel test runs' per-shard logs (gpu_tests.py writes them under /tmp)
 cat /tmp/gpu_tests_*/* > "$OUT/gpu_tests_shards.log" 2>/dev/null
 echo "=== end $(date +%T)"

@@ -1,9 +1,11 @@
 // The Hopper tensor-core kernel of ops.w4a8_grouped_gemm and ops.fp8_einsum (see hopper_gemm.cuh).
 //
-// Block of 384 threads (512 for the einsum's 192-token tiles), one or two per SM (persistent):
-//   warpgroup 0  producer: one thread issues TMA loads of a weight tile (128 rows x one K group), an
+// Block of 384 threads (512 for the einsum's 192-token tiles, 640 for the wide f16 decode tiles), one or two per SM
+// (persistent):
+//   warpgroup 0  producer: one thread issues TMA loads of a weight tile (128 or 256 rows x one K group), an
 //                activation tile (tile_tokens rows x 128) and its scales into a ring of stages;
-//   warpgroups 1, 2  consumers, 64 weight rows each: run 4 wgmma m64 x n(tile_tokens) x k32 into a
+//   warpgroups 1, 2  consumers, 64 weight rows each (1 to 4 with 256-row units at the unfused f16 16- and 32-token
+//                tiles: see LaunchF16): run 4 wgmma m64 x n(tile_tokens) x k32 into a
 //                fresh fp32 accumulator, then promote: total += sw(row, g) * sx(g, token) * partial, in
 //                fp32. int4 weights are converted to e4m3 in registers, straight into wgmma's A
 //                fragments (no shared-memory round trip, no proxy fence, no barrier); where registers
@@ -65,11 +67,11 @@
 namespace jax_w4a8 {
 namespace {
 
-// Threads per block: a producer warpgroup and two consumer warpgroups, or with token rows one consumer
-// warpgroup per 64 tokens of the tile.
-template <int kTok, bool kTokenRows>
-constexpr int ThreadsOf() { return 128 * (1 + (kTokenRows ? kTok / 64 : 2)); }
-constexpr int kFeatTile = 128;     // weight rows per unit (64 per consumer warpgroup)
+// Threads per block: a producer warpgroup and kCw consumer warpgroups of 64 weight rows (two, or four in the wide
+// f16 decode tiles, see LaunchF16), or with token rows one consumer warpgroup per 64 tokens of the tile.
+template <int kTok, bool kTokenRows, int kCw = 2>
+constexpr int ThreadsOf() { return 128 * (1 + (kTokenRows ? kTok / 64 : kCw)); }
+constexpr int kFeatTile = 128;     // weight rows per unit (64 per consumer warpgroup), but see kCw
 constexpr int kKGroup = 128;       // K per stage = one scale group
 constexpr int kMaxBatches = 1024;  // batches (experts / heads) the on-device unit table holds
 constexpr int kPanelTiles = 8;     // token tiles per panel of the unit order (DecodeUnit)
@@ -81,9 +83,10 @@ struct KernelArgs {
   int64_t groups;
 };
 
-template <int kTok, bool kInt4, int kParts = 1, bool kF16 = false>
+template <int kTok, bool kInt4, int kParts = 1, bool kF16 = false, int kCw = 2>
 struct Layout {
-  static constexpr int kWPartBytes = kFeatTile * (kInt4 ? kKGroup / 2 : kKGroup);
+  static constexpr int kFeat = kCw * 64;  // weight rows per unit
+  static constexpr int kWPartBytes = kFeat * (kInt4 ? kKGroup / 2 : kKGroup);
   static constexpr int kWBytes = kParts * kWPartBytes;  // gate and up tiles when fused
   // The activations: e4m3, or on the f16 MMA path f16 (prepared once per call, ConvertXToF16) as two
   // halves of 64 K, each kTok rows of 128 bytes with TMA's 128-byte swizzle (the e4m3 tile's geometry).
@@ -101,7 +104,7 @@ struct Layout {
   // (mma.sync) nor the fused ones.
   static constexpr bool kStagedStore = kInt4 && kParts == 1 && kTok >= 16;
   static constexpr int kStoreRow = 144;
-  static constexpr int kStoreBytes = kStagedStore ? 2 * kTok * kStoreRow : 0;
+  static constexpr int kStoreBytes = kStagedStore ? kCw * kTok * kStoreRow : 0;
 };
 
 // fold_x calls launch the folding kernel (kFoldX) and the plain one; the preparation's flag (the int after the
@@ -302,7 +305,7 @@ __device__ __forceinline__ Unit DecodeUniformUnit(const HopperGemmParams& p, int
 // division and do their divisions in 32 bits where the values fit. The other kernels keep the table search
 // and 64-bit divisions, their code as before (in two A/B runs on the H200 the int4 grouped GEMM's prefill ran
 // 2-3% slower with these changes, which save nothing there).
-template <int kTok, bool kPanels, bool kEinsum = false>
+template <int kTok, bool kPanels, bool kEinsum = false, int kFeat = kFeatTile>
 __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const UnitTable& t, int64_t u,
                                            int64_t feat_tiles) {
   if constexpr (kEinsum) {
@@ -337,7 +340,7 @@ __device__ __forceinline__ Unit DecodeUnit(const HopperGemmParams& p, const Unit
       x.f0 = q * kFeatTile;
     } else {
       x.m0 = t.start[lo] + (r % tok_tiles) * kTok;
-      x.f0 = (r / tok_tiles) * kFeatTile;
+      x.f0 = (r / tok_tiles) * kFeat;
     }
   }
   x.m_end = t.end[lo];
@@ -385,19 +388,19 @@ struct WorkCursor {
   // block's first piece (slot 2b) if its range starts in the unit, else its last piece (2b + 1).
   __device__ __forceinline__ int64_t SlotOf(uint32_t b, int64_t u0) const { return 2 * b + (BlockStart(b) >= u0 ? 0 : 1); }
 
-  template <int kTok, bool kPanels, bool kEinsum = false>
+  template <int kTok, bool kPanels, bool kEinsum = false, int kFeat = kFeatTile>
   __device__ __forceinline__ bool Next(const HopperGemmParams& p, const UnitTable& table, int64_t feat_tiles,
                                        int64_t groups, Unit& t) {
     if (cursor >= end) return false;
     if (!stream_k) {
-      t = DecodeUnit<kTok, kPanels, kEinsum>(p, table, cursor, feat_tiles);
+      t = DecodeUnit<kTok, kPanels, kEinsum, kFeat>(p, table, cursor, feat_tiles);
       t.g0 = 0;
       t.g1 = groups;
       cursor += gridDim.x;
       return true;
     }
     if constexpr (!kEinsum) {
-      t = DecodeUnit<kTok, kPanels>(p, table, cursor / groups, feat_tiles);
+      t = DecodeUnit<kTok, kPanels, false, kFeat>(p, table, cursor / groups, feat_tiles);
       t.g0 = cursor % groups;
     } else {
       const uint32_t unit = static_cast<uint32_t>(cursor) / static_cast<uint32_t>(groups);  // cursor < iters < 2^32
@@ -413,14 +416,14 @@ struct WorkCursor {
 
 // Calls f(unit, g, stage, phase) for every (unit, K group) whose stage this block loads, in order
 // (zero-fill units load nothing), advancing the ring of stages (the TMA producer's walk through it).
-template <int kTok, bool kPanels, bool kEinsum, typename F>
+template <int kTok, bool kPanels, bool kEinsum, int kFeat, typename F>
 __device__ __forceinline__ void ForEachLoadedGroup(const HopperGemmParams& p, const UnitTable& table,
                                                    int64_t total_units, int64_t feat_tiles, int64_t groups,
                                                    int stages, F&& f) {
   int stage = 0;
   uint32_t phase = 0;
   WorkCursor work(p, total_units, groups);
-  for (Unit t; work.Next<kTok, kPanels, kEinsum>(p, table, feat_tiles, groups, t);) {
+  for (Unit t; work.Next<kTok, kPanels, kEinsum, kFeat>(p, table, feat_tiles, groups, t);) {
     if (t.zero) continue;
     for (int64_t g = t.g0; g < t.g1; ++g) {
       f(t, g, stage, phase);
@@ -718,19 +721,21 @@ __device__ __forceinline__ void ConsumeTokenRows(const HopperGemmParams& p, cons
   if (cw == 0 && issued_any) sm90::NamedBarrierSync(1, 256);
 }
 
-// Narrow token tiles (decode) are latency-bound per group: run two blocks per SM there.
-template <int kTok, int kParts>
+// Narrow token tiles (decode) are latency-bound per group: run two blocks per SM there, or one of four consumer
+// warpgroups (kCw 4, the wide f16 tiles).
+template <int kTok, int kParts, int kCw = 2>
 struct Occupancy {
-  static constexpr int kBlocksPerSm = kTok * kParts <= 32 ? 2 : 1;
-  // setmaxnreg moves registers within the block's launch allocation (384 x 80 at two blocks per SM).
-  static constexpr uint32_t kProducerRegs = kBlocksPerSm == 2 ? 32 : 40;
-  static constexpr uint32_t kConsumerRegs = kBlocksPerSm == 2 ? 104 : 232;
+  static constexpr int kBlocksPerSm = kCw == 2 && kTok * kParts <= 32 ? 2 : 1;
+  // setmaxnreg moves registers within the block's launch allocation (384 x 80 at two blocks per SM, 640 x 96 at
+  // four consumer warpgroups).
+  static constexpr uint32_t kProducerRegs = kBlocksPerSm == 2 || kCw == 4 ? 32 : 40;
+  static constexpr uint32_t kConsumerRegs = kCw == 4 ? 112 : kBlocksPerSm == 2 ? 104 : 232;
 };
 
 // Groups in flight per consumer warpgroup (per warp on mma.sync): two (the next group's operand is built and
 // its MMAs issued while the current one runs) where the second accumulator and A fragments fit the register
 // budget.
-template <int kTok, bool kInt4, int kParts, bool kF16 = false>
+template <int kTok, bool kInt4, int kParts, bool kF16 = false, int kCw = 2>
 struct Pipeline {
   // Registers of two slots: accumulators, running total and (int4, wgmma) A fragments (twice as many as f16).
   // With mma.sync the fragments are built and used within one K step, so only the accumulators count.
@@ -738,14 +743,15 @@ struct Pipeline {
   static constexpr bool kSync = kF16 && kTok == 8;
   static constexpr int kRegs = 3 * kParts * (kTok / 2) + (kInt4 && !kSync ? 2 * kParts * (kF16 ? 32 : 16) : 0);
   static constexpr int kDepth =
-      kRegs <= (kSync ? 24 : Occupancy<kTok, kParts>::kBlocksPerSm == 2 ? 56 : 160) ? 2 : 1;
+      kRegs <= (kSync ? 24 : Occupancy<kTok, kParts, kCw>::kConsumerRegs < 160 ? 56 : 160) ? 2 : 1;
 };
 
 // kStreamK (token rows only): the split_k > 1 form, with the fix-up that rounds completed units.
 // kFoldX (int4 e4m3, 128-token tiles): the activation scales folded into the activations (FoldTokenActivations).
+// kCw: consumer warpgroups of the weights-on-A kernels (4: the wide f16 decode tiles, whole units only).
 template <int kTok, bool kInt4, int kParts, bool kF16, bool kTokenRows = false, bool kStreamK = false,
-          bool kFoldX = false>
-__global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok, kParts>::kBlocksPerSm)
+          bool kFoldX = false, int kCw = 2>
+__global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<kTok, kParts, kCw>::kBlocksPerSm)
     HopperGemmKernel(const __grid_constant__ KernelArgs args, const __grid_constant__ CUtensorMap map_w,
                      const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_sx) {
   static_assert(!kF16 || (kInt4 && (kTok <= 64 || (kParts == 1 && kTok <= 128))),
@@ -753,14 +759,18 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   // The kernels of a fold_x call: this one (kFoldX) and the plain int4 e4m3 128-token kernel.
   constexpr bool kFoldPair = kInt4 && !kF16 && kParts == 1 && kTok == 128 && !kTokenRows;
   static_assert(!kFoldX || kFoldPair, "folded activation scales: int4 weights, e4m3 MMA, 128-token tiles");
-  using L = Layout<kTok, kInt4, kParts, kF16>;
-  constexpr int kConsumers = ThreadsOf<kTok, kTokenRows>() / 128 - 1;
+  static_assert(kCw == 2 || (kCw == 4 && kF16 && kParts == 1 && kTok <= 32 && kTok >= 16 && !kTokenRows),
+                "four consumer warpgroups: the unfused f16 wgmma decode tiles");
+  using L = Layout<kTok, kInt4, kParts, kF16, kCw>;
+  using Occ = Occupancy<kTok, kParts, kCw>;
+  constexpr int kThreads = ThreadsOf<kTok, kTokenRows, kCw>();
+  constexpr int kConsumers = kThreads / 128 - 1;
   constexpr bool kPanels = kTok >= 128 && !kInt4;  // unit order: see DecodeUnit
   constexpr bool kEinsum = !kInt4 && !kPanels;      // see DecodeUnit
   const HopperGemmParams& p = args.p;
   const int stages = args.stages;
   const int64_t groups = args.groups;
-  const int64_t feat_tiles = (p.f + kFeatTile - 1) / kFeatTile;
+  const int64_t feat_tiles = (p.f + L::kFeat - 1) / L::kFeat;
   // The plain kernel of a fold_x call, launched as this one's programmatic dependent, may start (its blocks wait
   // for this grid to complete before anything else; they find SMs as this grid's blocks finish).
   if constexpr (kFoldX) sm90::LaunchDependents();
@@ -786,7 +796,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
       sm90::MbarInit(&full[s], 1);
-      sm90::MbarInit(&empty[s], ThreadsOf<kTok, kTokenRows>() / 32 - 4);  // one arrival per consumer warp
+      sm90::MbarInit(&empty[s], kThreads / 32 - 4);  // one arrival per consumer warp
       sm90::MbarInit(&spare[s], 3);
     }
     sm90::FenceBarrierInit();
@@ -805,7 +815,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
 
   if (wg == 0) {
     // ------------------------------------------------------------------------------- producer
-    sm90::ReleaseNReg<kConsumers == 3 ? 32 : Occupancy<kTok, kParts>::kProducerRegs>();
+    sm90::ReleaseNReg<kConsumers == 3 ? 32 : Occ::kProducerRegs>();
     if (threadIdx.x != 0) return;
     // Launched as a programmatic dependent of the preparation kernel (activations, scales, counters): its
     // launch and this prologue ran while the preparation did.
@@ -813,7 +823,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
     if constexpr (kFoldPair) {
       if (p.fold_x && FoldedCall(p) != kFoldX) return;  // the other kernel of the pair runs this call
     }
-    ForEachLoadedGroup<kTok, kPanels, kEinsum>(p, table, total_units, feat_tiles, groups, stages,
+    ForEachLoadedGroup<kTok, kPanels, kEinsum, L::kFeat>(p, table, total_units, feat_tiles, groups, stages,
                              [&](const Unit& t, int64_t g, int stage, uint32_t phase) {
       sm90::MbarWait(&empty[stage], phase ^ 1);
       uint8_t* st = smem + static_cast<size_t>(stage) * L::kStageBytes;
@@ -841,15 +851,15 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   if constexpr (kFoldPair) {
     if (p.fold_x && FoldedCall(p) != kFoldX) return;
   }
-  sm90::SetMaxNReg<kConsumers == 3 ? 160 : Occupancy<kTok, kParts>::kConsumerRegs>();
+  sm90::SetMaxNReg<kConsumers == 3 ? 160 : Occ::kConsumerRegs>();
   if constexpr (kTokenRows) {
     static_assert((kTok == 128 || kTok == 192) && !kInt4 && kParts == 1 && !kF16,
                   "token rows: the einsum's 128- or 192-token tiles");
     ConsumeTokenRows<kTok, kStreamK>(p, table, total_units, feat_tiles, groups, stages, smem, full, empty, wg - 1);
     return;
   } else {
-  constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16>::kDepth;
-  constexpr bool kSync = Pipeline<kTok, kInt4, kParts, kF16>::kSync;  // f16 path on mma.sync
+  constexpr int kPipe = Pipeline<kTok, kInt4, kParts, kF16, kCw>::kDepth;
+  constexpr bool kSync = Pipeline<kTok, kInt4, kParts, kF16, kCw>::kSync;  // f16 path on mma.sync
   const int cw = wg - 1;                 // consumer warpgroup: weight rows [64 cw, 64 cw + 64)
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
@@ -889,7 +899,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
   const bool staged = L::kStagedStore && p.out_bf16 && p.f % 8 == 0 && p.split_k == 1 &&
                     (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
   WorkCursor work(p, total_units, groups);
-  for (Unit t; work.Next<kTok, kPanels, kEinsum>(p, table, feat_tiles, groups, t);) {
+  for (Unit t; work.Next<kTok, kPanels, kEinsum, L::kFeat>(p, table, feat_tiles, groups, t);) {
     const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
     float total[kParts][kTok / 2];
 #pragma unroll
@@ -1321,9 +1331,12 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows>(), Occupancy<kTok,
       };
       // Stream-K: a partial piece hands its sums to the fix-up; only the warp completing the unit
       // stores, the unit's sums.
-      if (p.split_k > 1 && !(t.g0 == 0 && t.g1 == groups) &&
-          !StreamKFixUp<kEinsum>(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane, total[0]))
-        continue;
+      if constexpr (kCw == 2) {  // the wide tiles run whole units only (the launch checks)
+        if (p.split_k > 1 && !(t.g0 == 0 && t.g1 == groups) &&
+            !StreamKFixUp<kEinsum>(p, work, t, groups, cw * 128 + warp * 32 + lane, 256, cw * 4 + warp, lane,
+                                   total[0]))
+          continue;
+      }
       if constexpr (L::kStagedStore) {
         if (staged) {
           // Staged epilogue: this warpgroup's 64 x kTok tile as bf16 into its staging rows (stmatrix, transposed
@@ -1712,12 +1725,13 @@ DeviceInfo CurrentDevice() {
 size_t TableBytes(int64_t nb) { return static_cast<size_t>(nb + 1) * 8 + static_cast<size_t>(nb) * 8; }
 
 template <int kTok, bool kInt4, int kParts, bool kF16 = false, bool kTokenRows = false, bool kStreamK = false,
-          bool kFoldX = false>
+          bool kFoldX = false, int kCw = 2>
 cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
-  using L = Layout<kTok, kInt4, kParts, kF16>;
+  using L = Layout<kTok, kInt4, kParts, kF16, kCw>;
+  if (kCw != 2 && p.split_k != 1) return cudaErrorInvalidValue;
   const int64_t nb = p.b + 1;
   const size_t fixed = 1024 + TableBytes(nb) + 16 + L::kRedBytes + L::kStoreBytes;
-  constexpr int kBlocks = Occupancy<kTok, kParts>::kBlocksPerSm;
+  constexpr int kBlocks = Occupancy<kTok, kParts, kCw>::kBlocksPerSm;
   const size_t budget = std::min(kSmemBudget / kBlocks - (kBlocks - 1) * 2048, dev.smem_optin);
   int stages = static_cast<int>((budget - fixed - 24 * 8) / (L::kStageBytes + 24));  // + 3 mbarriers
   stages = std::max(2, std::min(stages, 8));
@@ -1728,7 +1742,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   const int64_t kb = kInt4 ? p.k / 2 : p.k;
   const int64_t w_rows = p.fused_up ? p.f + p.up_offset : p.f;
   bool ok = Encode3d(&map_w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p.w, kb, w_rows, p.b, kInt4 ? kKGroup / 2 : kKGroup,
-                     kFeatTile, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
+                     L::kFeat, 1, kInt4 ? CU_TENSOR_MAP_SWIZZLE_64B : CU_TENSOR_MAP_SWIZZLE_128B);
   if constexpr (kF16) {  // the f16 activations in xh, 64 K (128 bytes) per box row
     ok = ok && Encode3d(&map_x, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, p.xh, p.k, p.h, p.m, kKGroup / 2, 1, kTok,
                         CU_TENSOR_MAP_SWIZZLE_128B);  // p.xh checked by LaunchHopperGemm
@@ -1741,7 +1755,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
                       CU_TENSOR_MAP_SWIZZLE_NONE);
   if (!ok) return cudaErrorInvalidValue;
 
-  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK, kFoldX>;
+  auto kernel = HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK, kFoldX, kCw>;
   // The shared-memory opt-in once per device (to the device's limit): a host call saved on every launch.
   static std::mutex mu;
   static bool opted_in[64] = {};
@@ -1767,7 +1781,7 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(static_cast<unsigned>(grid));
-  cfg.blockDim = dim3(ThreadsOf<kTok, kTokenRows>());
+  cfg.blockDim = dim3(ThreadsOf<kTok, kTokenRows, kCw>());
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -1782,10 +1796,21 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
 // The f16 MMA path's token tiles (int4 weights; kParts 2: the fused up-projection).
 template <int kParts>
 cudaError_t LaunchF16(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
+  // The unfused 16- and 32-token tiles of whole units, F a multiple of 256 (what the GPU tests cover): 256 weight
+  // rows per block (four consumer warpgroups, one block per SM), so that each activation tile a stage loads serves
+  // twice the weight rows (at 32 tokens its f16 rows are as many L2 -> SM bytes as the 128-row int4 weight tile's).
+  // Timing loop, wide / two blocks of 128 rows, 32 experts, outputs bitwise equal: H200 gate+up M = 256 / 512
+  // 0.87 / 0.93, down 0.90 / 0.94; H100 gate+up / down M = 512 0.93 / 0.87, M = 256 1.00 / 0.98; H100 kernel
+  // alone (ncu) gate+up M = 512 212.5 -> 199.2 us (benchmarks/NOTEBOOK.md, forty-fourth session).
+  const bool wide = kParts == 1 && p.split_k == 1 && p.f % 256 == 0;
   switch (p.tile_tokens) {
     case 8: return Launch<8, true, kParts, true>(p, stream, dev);
-    case 16: return Launch<16, true, kParts, true>(p, stream, dev);
-    case 32: return Launch<32, true, kParts, true>(p, stream, dev);
+    case 16:
+      if (wide) return Launch<16, true, 1, true, false, false, false, 4>(p, stream, dev);
+      return Launch<16, true, kParts, true>(p, stream, dev);
+    case 32:
+      if (wide) return Launch<32, true, 1, true, false, false, false, 4>(p, stream, dev);
+      return Launch<32, true, kParts, true>(p, stream, dev);
     case 64: return Launch<64, true, kParts, true>(p, stream, dev);
     case 128:
       if constexpr (kParts == 1) return Launch<128, true, 1, true>(p, stream, dev);
