@@ -20,7 +20,8 @@ BASE=${BASE:-.carry/variants/base}
 # VARIANT = main with a patch of this folder applied, for the steps variant_tests and variant_ab (the A/B times
 # VARIANT_CASES of ab_builds.py, default decode): .carry/variants/rows (decode_rows.patch: the f16 decode tiles load
 # half a tile of activation rows where their unit has no more; the default) or .carry/variants/occ
-# (decode_occupancy.patch: three blocks per SM for the 8-token f16 kernel; VARIANT_CASES="decode batch1").
+# (decode_occupancy.patch: three blocks per SM for the 8-token f16 kernel; VARIANT_CASES="decode batch1") or
+# .carry/variants/wide8 (decode_wide8.patch: 256 weight rows per block for the 8-token kernel too; the same cases).
 VARIANT=${VARIANT:-.carry/variants/rows}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
@@ -99,14 +100,14 @@ variant_ncu() {
   local c pkg
   for c in $TILE_CASES; do for pkg in "$PWD" "$PWD/$VARIANT"; do
     echo "## $c ${pkg#$PWD}"
-    PYTHONPATH=$pkg timeout --foreground 40 ncu --clock-control none --kernel-name regex:HopperGemmKernel \
+    PYTHONPATH=$pkg timeout --foreground 90 ncu --clock-control none --kernel-name regex:HopperGemmKernel \
       --launch-skip 1 --launch-count 1 \
       --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
       python3 benchmarks/profile_case.py "$c" 2>&1 | grep -E "HopperGemmKernel<|__"
   done; done
 }
 export -f variant_ncu && export VARIANT
-[[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 120 bash -c variant_ncu
+[[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 300 bash -c variant_ncu
 # keep the parallel test runs' per-shard logs (gpu_tests.py writes them under /tmp)
 cat /tmp/gpu_tests_*/* > "$OUT/gpu_tests_shards.log" 2>/dev/null
 echo "=== end $(date +%T)"
