@@ -231,7 +231,9 @@ def _tile_for(rows: float, spread: bool, tiles: tuple[int, ...] = TILE_TOKENS) -
 
 
 def _blocks_per_sm(tile_tokens: int) -> int:
-    """Resident blocks of the Hopper kernel per SM (``Occupancy`` in hopper_gemm.cu, unfused)."""
+    """Resident blocks of the Hopper kernel per SM (``Occupancy`` in hopper_gemm.cu, unfused), in blocks of 128
+    weight rows: the f16 16- and 32-token tiles of whole units run one 256-row block per SM instead, as many rows
+    (module docstring); split-K, which sizes its scratch by this count, always runs the 128-row blocks."""
     return 2 if tile_tokens <= 32 else 1
 
 
