@@ -29,8 +29,8 @@ def _library():
 
 
 LIB = _library()
-# HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK, kFoldX>, mangled:
-# ...HopperGemmKernelILi16ELb1ELi1ELb1ELb0ELb0ELb0EE...
+# HopperGemmKernel<kTok, kInt4, kParts, kF16, kTokenRows, kStreamK, kFoldX, kCw>, mangled:
+# ...HopperGemmKernelILi16ELb1ELi1ELb1ELb0ELb0ELb0ELi4EE... (kCw: consumer warpgroups, 4 = 256 weight rows)
 KERNEL = re.compile(r"HopperGemmKernelILi(\d+)ELb([01])ELi([12])ELb([01])ELb([01])ELb([01])ELb([01])ELi([24])EE")
 
 
