@@ -31,7 +31,8 @@ trap restore EXIT
 if [[ $src == @* ]]; then
   git checkout -q "${src#@}" -- ffi
 else
-  git apply "$here/$src" && applied=1
+  git apply "$here/$src"  # a patch that does not apply stops the script here (set -e), before any build
+  applied=1
 fi
 "$CMAKE" --build "$BUILD" -j "$(nproc)" > /dev/null
 prefix=$(mktemp -d)
