@@ -84,26 +84,26 @@ export -f decode_stalls && export OUT
 step decode_stalls 270 bash -c decode_stalls
 # 4. the same kernel at other token tiles and MMA formats: kernel time, DRAM and L2 throughput, L2 read sectors
 #    (activation bytes through L2 grow with the tile: f16 rows of 2 bytes per K against 64 int4 bytes per K)
+kernel_counters() {  # kernel_counters LIMIT_S CASE [profile_case.py options]: one launch of the grouped GEMM kernel
+  timeout --foreground "$1" ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
+    --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
+    python3 benchmarks/profile_case.py "${@:2}" 2>&1 | grep -E "HopperGemmKernel<|__"
+}
 decode_tiles() {
   local c o
   for c in $TILE_CASES; do for o in "" "--tile-tokens 16" "--tile-tokens 64" "--mma e4m3"; do
     echo "## $c $o"
-    timeout --foreground 40 ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
-      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
-      python3 benchmarks/profile_case.py "$c" $o 2>&1 | grep -E "HopperGemmKernel<|__"
+    kernel_counters 40 "$c" $o
   done; done
 }
-export -f decode_tiles && export TILE_CASES=${TILE_CASES:-decode512 down512}  # the cases it profiles
+export -f kernel_counters decode_tiles && export TILE_CASES=${TILE_CASES:-decode512 down512}  # the cases it profiles
 step decode_tiles 200 bash -c decode_tiles
 # 5. the same counters for main's build and the variant's, at the plan's tile
 variant_ncu() {
   local c pkg
   for c in $TILE_CASES; do for pkg in "$PWD" "$PWD/$VARIANT"; do
     echo "## $c ${pkg#$PWD}"
-    PYTHONPATH=$pkg timeout --foreground 90 ncu --clock-control none --kernel-name regex:HopperGemmKernel \
-      --launch-skip 1 --launch-count 1 \
-      --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
-      python3 benchmarks/profile_case.py "$c" 2>&1 | grep -E "HopperGemmKernel<|__"
+    PYTHONPATH=$pkg kernel_counters 90 "$c"
   done; done
 }
 export -f variant_ncu && export VARIANT
