@@ -7,13 +7,14 @@ The Hopper kernel (``ffi/cuda/hopper_gemm.cu``) runs "swap AB": 128 weight rows 
 group per pipeline stage. One exception: the block-scaled einsum (one weight scale per 128 rows) at
 128- and 192-token tiles puts the tokens on the MMA's A side (64 per consumer warpgroup, so two or
 three of them) and the 128 weight rows on its N side, which makes the per-group promotion two scale
-products and one FMA per accumulator. The grouped GEMM's unfused f16 tiles of 16 and 32 tokens run 256 weight
-rows per block instead (four consumer warpgroups, one block per SM) wherever the plan takes whole units
+products and one FMA per accumulator. The grouped GEMM's unfused f16 tiles of 8, 16 and 32 tokens run 256
+weight rows per block instead (four consumer warpgroups, one block per SM) wherever the plan takes whole units
 (``split_k`` 1) and N is a multiple of 256: each f16 activation tile (2 bytes per K and token) then serves
-twice the weight rows, and at 32 tokens those activation bytes equal the int4 weight tile's (0.5 byte per K
-and row). H200, timing loop, 32 experts: gate+up M = 256 / 512 0.87x / 0.93x the time of two 128-row
-blocks, down 0.90x / 0.94x (forty-fourth session). The plan counts units of 128 rows either way (a 256-row
-block is two of them, one block per SM holds as many rows as two blocks of 128). The heuristic:
+twice the weight rows, and at 32 tokens those activation bytes equal the int4 weight tile's (0.5 byte per K and
+row). H200, timing loop, 32 experts: gate+up M = 256 / 512 0.87x / 0.93x the time of two 128-row blocks, down
+0.90x / 0.94x (forty-fourth session; the 8-token tile since the forty-fifth: H100 down M = 64 0.69x, batch-1
+down 0.93x). The plan counts units of 128 rows either way (a 256-row block is two of them, one block per SM
+holds as many rows as two blocks of 128). The heuristic:
 
 * ``tile_tokens``: the smallest of 16, 32, 64, 128 (the grouped GEMM: 8, 16, 32, 64, 128; the fused
   up-projection: 8, 16, 32, 64; 8 only with the f16 MMA, so ``mma="e4m3"`` never gets it) that holds
@@ -232,7 +233,7 @@ def _tile_for(rows: float, spread: bool, tiles: tuple[int, ...] = TILE_TOKENS) -
 
 def _blocks_per_sm(tile_tokens: int) -> int:
     """Resident blocks of the Hopper kernel per SM (``Occupancy`` in hopper_gemm.cu, unfused), in blocks of 128
-    weight rows: the f16 16- and 32-token tiles of whole units run one 256-row block per SM instead, as many rows
+    weight rows: the f16 8-, 16- and 32-token tiles of whole units run one 256-row block per SM instead, as many rows
     (module docstring); split-K, which sizes its scratch by this count, always runs the 128-row blocks."""
     return 2 if tile_tokens <= 32 else 1
 

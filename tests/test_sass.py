@@ -82,7 +82,7 @@ def test_every_tile_configuration_is_built(kernels):
                 | {(128, True, 1, False, "folded")}  # ... with the activation scales folded into the activations
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
                 | {(t, True, 1, True) for t in (8, 16, 32, 64, 128)}  # int4 grouped GEMM, f16 MMA
-                | {(t, True, 1, True, "wide") for t in (16, 32)}  # ... 256 weight rows per block
+                | {(t, True, 1, True, "wide") for t in (8, 16, 32)}  # ... 256 weight rows per block
                 | {(t, True, 2, True) for t in (8, 16, 32, 64)})  # fused up-projection, f16 MMA
     assert set(kernels) == expected
 

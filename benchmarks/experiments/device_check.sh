@@ -19,9 +19,8 @@ STEPS=${STEPS:-"sanitizer einsum_tests variant_tests variant_ab prefill decode_s
 BASE=${BASE:-.carry/variants/base}
 # VARIANT = main with a patch of this folder applied, for the steps variant_tests and variant_ab (the A/B times
 # VARIANT_CASES of ab_builds.py, default decode): .carry/variants/rows (decode_rows.patch: the f16 decode tiles load
-# half a tile of activation rows where their unit has no more; the default) or .carry/variants/occ
-# (decode_occupancy.patch: three blocks per SM for the 8-token f16 kernel; VARIANT_CASES="decode batch1") or
-# .carry/variants/wide8 (decode_wide8.patch: 256 weight rows per block for the 8-token kernel too; the same cases).
+# half a tile of activation rows where their unit has no more; the default) or .carry/variants/tile24
+# (decode_tile24.patch: a 24-token f16 tile; VARIANT_CASES="decode batch1").
 VARIANT=${VARIANT:-.carry/variants/rows}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }

@@ -4,7 +4,7 @@
 // (persistent):
 //   warpgroup 0  producer: one thread issues TMA loads of a weight tile (128 or 256 rows x one K group), an
 //                activation tile (tile_tokens rows x 128) and its scales into a ring of stages;
-//   warpgroups 1, 2  consumers, 64 weight rows each (1 to 4 with 256-row units at the unfused f16 16- and 32-token
+//   warpgroups 1, 2  consumers, 64 weight rows each (1 to 4 with 256-row units at the unfused f16 8- to 32-token
 //                tiles: see LaunchF16): run 4 wgmma m64 x n(tile_tokens) x k32 into a
 //                fresh fp32 accumulator, then promote: total += sw(row, g) * sx(g, token) * partial, in
 //                fp32. int4 weights are converted to e4m3 in registers, straight into wgmma's A
@@ -759,7 +759,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
   // The kernels of a fold_x call: this one (kFoldX) and the plain int4 e4m3 128-token kernel.
   constexpr bool kFoldPair = kInt4 && !kF16 && kParts == 1 && kTok == 128 && !kTokenRows;
   static_assert(!kFoldX || kFoldPair, "folded activation scales: int4 weights, e4m3 MMA, 128-token tiles");
-  static_assert(kCw == 2 || (kCw == 4 && kF16 && kParts == 1 && kTok <= 32 && kTok >= 16 && !kTokenRows),
+  static_assert(kCw == 2 || (kCw == 4 && kF16 && kParts == 1 && kTok <= 32 && !kTokenRows),
                 "four consumer warpgroups: the unfused f16 wgmma decode tiles");
   using L = Layout<kTok, kInt4, kParts, kF16, kCw>;
   using Occ = Occupancy<kTok, kParts, kCw>;
@@ -1796,15 +1796,19 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
 // The f16 MMA path's token tiles (int4 weights; kParts 2: the fused up-projection).
 template <int kParts>
 cudaError_t LaunchF16(const HopperGemmParams& p, cudaStream_t stream, const DeviceInfo& dev) {
-  // The unfused 16- and 32-token tiles of whole units, F a multiple of 256 (what the GPU tests cover): 256 weight
-  // rows per block (four consumer warpgroups, one block per SM), so that each activation tile a stage loads serves
-  // twice the weight rows (at 32 tokens its f16 rows are as many L2 -> SM bytes as the 128-row int4 weight tile's).
-  // Timing loop, wide / two blocks of 128 rows, 32 experts, outputs bitwise equal: H200 gate+up M = 256 / 512
-  // 0.87 / 0.93, down 0.90 / 0.94; H100 gate+up / down M = 512 0.93 / 0.87, M = 256 1.00 / 0.98; H100 kernel
-  // alone (ncu) gate+up M = 512 212.5 -> 199.2 us (benchmarks/NOTEBOOK.md, forty-fourth session).
+  // The unfused 8-, 16- and 32-token tiles of whole units, F a multiple of 256 (what the GPU tests cover): 256
+  // weight rows per block (four consumer warpgroups, one block per SM), so that each activation tile a stage loads
+  // serves twice the weight rows (at 32 tokens its f16 rows are as many L2 -> SM bytes as the 128-row int4 weight
+  // tile's). Timing loop, wide / two blocks of 128 rows, 32 experts, outputs bitwise equal: H200 gate+up M = 256 /
+  // 512 0.87 / 0.93, down 0.90 / 0.94; H100 gate+up / down M = 512 0.93 / 0.87, M = 256 1.00 / 0.98; H100 kernel
+  // alone (ncu) gate+up M = 512 212.5 -> 199.2 us (benchmarks/NOTEBOOK.md, forty-fourth session). The 8-token
+  // tile (mma.sync) too, H100, three rounds: down M = 64 0.69 (main's spread 101-209 us), batch-1 down 0.93,
+  // every other decode case 0.92-0.98 (forty-fifth session); H200, two rounds: down M = 64 0.87, batch-1 0.85.
   const bool wide = kParts == 1 && p.split_k == 1 && p.f % 256 == 0;
   switch (p.tile_tokens) {
-    case 8: return Launch<8, true, kParts, true>(p, stream, dev);
+    case 8:
+      if (wide) return Launch<8, true, 1, true, false, false, false, 4>(p, stream, dev);
+      return Launch<8, true, kParts, true>(p, stream, dev);
     case 16:
       if (wide) return Launch<16, true, 1, true, false, false, false, 4>(p, stream, dev);
       return Launch<16, true, kParts, true>(p, stream, dev);
