@@ -169,25 +169,44 @@ HOT_LOOP_SPILL_BUDGET = {
 _INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);")
 
 
-def _innermost_mma_loop(body):
-    """Instructions of the smallest backward-branch range that contains a wgmma (or, at 8-token tiles, an mma.sync)."""
+_MMA = re.compile(r"\b(?:[HQ]GMMA\.\d+x(\d+)x\d+|HMMA\.16816)")
+
+
+def _mma_loops(body):
+    """{MMA width N: instructions of the smallest backward-branch range that contains an MMA of that width}: a
+    wgmma m64nN, or at 8-token tiles an mma.sync (N 8): one per group loop, should a kernel compile its loop at
+    more than one MMA width."""
     ins = [(int(a, 16), text.strip()) for a, text in _INSTRUCTION.findall(body)]
     loops = []
     for addr, text in ins:
         target = re.search(r"\bBRA\b.*?0x([0-9a-f]+)", text)
         if target and int(target.group(1), 16) < addr:
             loops.append((int(target.group(1), 16), addr))
-    with_mma = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi and re.search(r"\b(HGMMA|QGMMA|HMMA)\b", t) for a, t in ins)]
-    assert with_mma, "no loop around the MMA instructions"
-    lo, hi = min(with_mma, key=lambda r: r[1] - r[0])
-    return [t for a, t in ins if lo <= a <= hi]
+    widths = {}
+    for a, t in ins:
+        if m := _MMA.search(t):
+            widths.setdefault(int(m.group(1) or 8), []).append(a)
+    found = {}
+    for n, addrs in widths.items():
+        around = [(lo, hi) for lo, hi in loops if any(lo <= a <= hi for a in addrs)]
+        if around:
+            lo, hi = min(around, key=lambda r: r[1] - r[0])
+            found[n] = [t for a, t in ins if lo <= a <= hi]
+    assert found, "no loop around the MMA instructions"
+    return found
+
+
+def _innermost_mma_loop(body):
+    """The group loop at the widest MMA (the whole token tile); see _mma_loops."""
+    loops = _mma_loops(body)
+    return loops[max(loops)]
 
 
 def test_hot_loops_stay_within_their_spill_budget(kernels):
     for config, body in kernels.items():
-        loop = _innermost_mma_loop(body)
-        spills = sum(1 for t in loop if re.search(r"\b(STL|LDL)\b", t))
-        assert spills <= HOT_LOOP_SPILL_BUDGET.get(config, 0), (config, spills, len(loop))
+        for n, loop in _mma_loops(body).items():
+            spills = sum(1 for t in loop if re.search(r"\b(STL|LDL)\b", t))
+            assert spills <= HOT_LOOP_SPILL_BUDGET.get(config, 0), (config, n, spills, len(loop))
 
 
 def _check_cutlass_fp8_kernel(functions, is_it):
@@ -252,15 +271,16 @@ def test_f16_loops_promote_without_token_scales(kernels):
     two per part and group. (The former loops read the token scales from the stage and multiplied them by the
     weight scales every group: 16 / 32 FMUL and 4 / 8 LDS more per group at 16 / 32 tokens.)"""
     for config in F16_KERNELS:
-        loop = _innermost_mma_loop(kernels[config])
-        mmas = sum(1 for t in loop if re.search(r"\b(HGMMA|HMMA)\b", t))
-        groups = mmas // (8 * config[2])  # 8 K16 steps per 128-K group and part
-        assert groups >= 1, (config, mmas)
-        assert not [t for t in loop if re.search(r"\bFMUL\b", t)], config
-        lds = sum(1 for t in loop if re.search(r"\bLDS\b", t))
-        assert lds <= 2 * config[2] * groups, (config, lds, groups)
-        ffma = sum(1 for t in loop if re.search(r"\bFFMA\b", t))
-        assert ffma == config[2] * config[0] // 2 * groups, (config, ffma, groups)
+        for n, loop in _mma_loops(kernels[config]).items():  # n: the MMA width of each group loop
+            mmas = sum(1 for t in loop if re.search(r"\b(HGMMA|HMMA)\b", t))
+            groups = mmas // (8 * config[2])  # 8 K16 steps per 128-K group and part
+            assert groups >= 1, (config, n, mmas)
+            assert not [t for t in loop if re.search(r"\bFMUL\b", t)], (config, n)
+            lds = sum(1 for t in loop if re.search(r"\bLDS\b", t))
+            assert lds <= 2 * config[2] * groups, (config, n, lds, groups)
+            ffma = sum(1 for t in loop if re.search(r"\bFFMA\b", t))
+            assert ffma == config[2] * n // 2 * groups, (config, n, ffma, groups)
+
 
 
 def test_folded_kernel_promotes_without_token_scales(kernels):

@@ -326,6 +326,28 @@ def test_staged_epilogue_many_units_per_block_on_gpu(rng, device, sizes, tile_to
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens", [16, 32, 64, 128])
+@pytest.mark.parametrize("n, split", [(256, True), (8064, False), (8192, False)],
+                         ids=["split-k", "whole-k-128-rows", "whole-k-256-rows"])
+@pytest.mark.parametrize("scale_kind", ["group", "token"])
+def test_f16_tiles_units_around_half_a_tile_every_element_on_gpu(rng, device, tile_tokens, n, split, scale_kind):
+    """Experts of half a tile, one row more and one less, a whole tile, one row, none, one and a half tiles
+    (a whole unit, then half of one) and 3 rows whose token tile runs past the 8 padding rows and M: every f16
+    wgmma tile, split-K and not, 128-row blocks (N = 8064) and 256 (N = 8192, the 16- and 32-token tiles).
+    Where the f16 kernels give units of at most half a tile less work, it must be exactly those units; every
+    element of the routed rows near float64, the padding rows zero (NaN poison). K = 384: a pair of groups
+    and an odd last one."""
+    if device.platform != "gpu":
+        pytest.skip("tile configurations exist on the CUDA handler only")
+    t = tile_tokens
+    sizes = [t // 2, t // 2 + 1, t // 2 - 1, t, 1, 0, t + t // 2, 3]
+    routed = sum(sizes)
+    plan = tiling.plan_grouped_gemm(routed + 8, len(sizes), n, 384, tile_tokens=t, mma="f16")
+    assert (plan.split_k > 1) == split, plan
+    _check_bf16_every_element(rng, device, routed + 8, 384, n, sizes, routed, t, "f16", scale_kind)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma, kernel", [(8, "f16", None), (16, "e4m3", None), (16, "f16", None),
                                                      (32, "e4m3", None), (32, "f16", None), (64, "e4m3", None),
                                                      (64, "f16", None), (128, "e4m3", None), (128, "f16", None),
