@@ -6,7 +6,8 @@
 # Run from the repository root with a configured CMake build folder (BUILD, default build; CMAKE, default cmake on
 # PATH; PYTHON, default python3, with jax, for the closing check). Applies the patch (or checks out ffi/ of the
 # commit), builds, installs into a temporary prefix, copies jax_w4a8/ with those modules (and the patch's Python
-# changes) to .carry/variants/NAME, then restores ffi/ and the patch's other files and rebuilds main's modules.
+# changes; not the embedded model's files, so that three variants and jax_w4a8/_lib fit a device call's carry) to
+# .carry/variants/NAME, then restores ffi/ and the patch's other files and rebuilds main's modules.
 # Refuses to run with uncommitted changes or untracked files under ffi/ or in the patch's files (it cleans ffi/
 # afterwards).
 set -euo pipefail
@@ -41,6 +42,7 @@ dest=.carry/variants/$name
 rm -rf "$dest" && mkdir -p "$dest"
 cp -r jax_w4a8 "$dest/"
 find "$dest" -name __pycache__ -prune -exec rm -rf {} +
+rm -rf "$dest"/jax_w4a8/models/deepseek/assets  # the embedded model (4.6 MB): the A/B and kernel tests need none
 rm -f "$dest"/jax_w4a8/_lib/*.so
 cp "$prefix"/jax_w4a8/_lib/*.so "$dest/jax_w4a8/_lib/"
 rm -rf "$prefix"
