@@ -13,8 +13,8 @@ weight rows per block instead (four consumer warpgroups, one block per SM) where
 twice the weight rows, and at 32 tokens those activation bytes equal the int4 weight tile's (0.5 byte per K and
 row). H200, timing loop, 32 experts: gate+up M = 256 / 512 0.87x / 0.93x the time of two 128-row blocks, down
 0.90x / 0.94x (forty-fourth session; the 8-token tile since the forty-fifth: H100 down M = 64 0.69x, batch-1
-down 0.93x). The plan counts units of 128 rows either way (a 256-row block is two of them, one block per SM
-holds as many rows as two blocks of 128). The heuristic:
+down 0.93x, within the run's spread). The plan counts units of 128 rows either way (a 256-row block is two of
+them, one block per SM holds as many rows as two blocks of 128). The heuristic:
 
 * ``tile_tokens``: the smallest of 16, 32, 64, 128 (the grouped GEMM: 8, 16, 32, 64, 128; the fused
   up-projection: 8, 16, 32, 64; 8 only with the f16 MMA, so ``mma="e4m3"`` never gets it) that holds

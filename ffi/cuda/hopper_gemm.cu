@@ -1802,8 +1802,9 @@ cudaError_t LaunchF16(const HopperGemmParams& p, cudaStream_t stream, const Devi
   // tile's). Timing loop, wide / two blocks of 128 rows, 32 experts, outputs bitwise equal: H200 gate+up M = 256 /
   // 512 0.87 / 0.93, down 0.90 / 0.94; H100 gate+up / down M = 512 0.93 / 0.87, M = 256 1.00 / 0.98; H100 kernel
   // alone (ncu) gate+up M = 512 212.5 -> 199.2 us (benchmarks/NOTEBOOK.md, forty-fourth session). The 8-token
-  // tile (mma.sync) too, H100, three rounds: down M = 64 0.69 (main's spread 101-209 us), batch-1 down 0.93,
-  // every other decode case 0.92-0.98 (forty-fifth session); H200, two rounds: down M = 64 0.87, batch-1 0.85.
+  // tile (mma.sync) too: at or below main wherever it runs (H100, three rounds: down M = 64 0.69, batch-1 down
+  // 0.93; H200, two rounds: 0.87, 0.85), but within the runs' spread (kernels it does not change moved 0.92-0.98
+  // on the H100; main's down M = 64 took 101-209 us) (forty-fifth session).
   const bool wide = kParts == 1 && p.split_k == 1 && p.f % 256 == 0;
   switch (p.tile_tokens) {
     case 8:
