@@ -115,15 +115,46 @@ def test_fused_kernel_many_units_per_block(rng, device, tile_tokens, mma, static
     fn = functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=tile_tokens, mma=mma)
     h8, scale = run_up(fn, args, device, static)
     check(h8, scale, args, s, covered=m - 40)
+    check_every_code(h8, scale, args, s, m - 40)
+
+
+def check_every_code(h8, scale, args, static_scale, routed):
+    """Every code of the first ``routed`` rows within half an e4m3 step of float64's h (plus half a subnormal
+    step) and the summation error of float32 / f16-operand sums, bounded through h = silu(g) u by 2^-12 of the
+    |terms| sums of g and u."""
+    h = np_moe_up(args)
+    inter = h.shape[1]
     y, a = np_ref.grouped_gemm(*args), np_ref.grouped_gemm(*args, absolute=True)
     g, u, ag, au = y[:, :inter], y[:, inter:], a[:, :inter], a[:, inter:]
     sig = 0.5 * (1.0 + np.tanh(0.5 * g))  # sigmoid without overflow
     dh = 2.0**-12 * (np.abs(sig * (1.0 + g * (1.0 - sig)) * u) * ag + np.abs(g * sig) * au)
-    sc = np.float64(s) if static else np.repeat(np.asarray(scale, np.float64), 128, axis=1)
+    sc = (np.float64(static_scale) if static_scale is not None
+          else np.repeat(np.asarray(scale, np.float64), 128, axis=1))
     got = np.asarray(h8).astype(np.float64) * sc
     bound = 0.0625 * np.abs(h) + 2.0**-10 * sc + 1.0625 * dh  # (the half step of the kernel's h, not h)
-    bad = (np.abs(got - h) > bound)[: m - 40]
+    bad = (np.abs(got - h) > bound)[:routed]
     assert not bad.any(), f"{bad.sum()} codes off, rows {sorted(set(np.nonzero(bad)[0].tolist()))[:8]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens", [16, 32, 64])
+@pytest.mark.parametrize("static", [False, True])
+def test_fused_f16_tiles_units_around_half_a_tile(rng, device, tile_tokens, static):
+    """The fused kernel's f16 tiles at experts of half a tile, one row more and one less, a whole tile, one row,
+    none, one and a half tiles and 3 rows whose tile runs past the 8 padding rows and M (the grouped GEMM's test of
+    the same name): every code of the routed rows near float64, the padding rows zero. K = 384: a pair of
+    groups and an odd last one."""
+    if device.platform != "gpu":
+        pytest.skip("the fused kernel is CUDA only")
+    t = tile_tokens
+    sizes = [t // 2, t // 2 + 1, t // 2 - 1, t, 1, 0, t + t // 2, 3]
+    routed = sum(sizes)
+    args = make_case(rng, routed + 8, 384, 2 * 512, sizes)
+    s = np.float32(np.abs(np_moe_up(args)).max() / 448) if static else None
+    fn = functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=t, mma="f16")
+    h8, scale = run_up(fn, args, device, static)
+    check(h8, scale, args, s, covered=routed)
+    check_every_code(h8, scale, args, s, routed)
 
 
 def test_bad_inputs(rng):
