@@ -27,7 +27,9 @@ up-projection at 64 and 512), batch1 (a batch-1 decode step's routed experts: on
 experts, gate+up and down at DeepSeek-V3 widths, the other experts' weights zeros), einsum (DeepSeek-V3 linears at
 1 and 64 tokens, UE8M0 codes), einsum1 (a decode step's one-token linears: q_a + kv_a in one product, q_b, kv_a,
 the shared expert's gate+up and down, o_proj), prefill (grouped GEMM at 4096 rows with float32, UE8M0 and
-per-tensor activation scales, einsum 4096 x 7168 x 7168), tiny (small shapes that also run on the CPU, for tests).
+per-tensor activation scales, einsum 4096 x 7168 x 7168), quantize (the bf16 activation quantizer at 4096 and
+16384 x 7168 and the SiLU-mul one at 512 and 4096 x 2 x 2048, UE8M0 scales), tiny (small shapes that also run on
+the CPU, for tests).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-CASE_SETS = ("decode", "batch1", "einsum", "einsum1", "prefill", "tiny")
+CASE_SETS = ("decode", "batch1", "einsum", "einsum1", "prefill", "quantize", "tiny")
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -100,6 +102,15 @@ def _cases(names):
                 out.append((f"{shape} M=4096 tensor", gemm,
                             [(a, jnp.asarray(0.8, jnp.float32), *r) for a, s, *r in sets]))
             out.append(("einsum square M=4096", einsum, [linear(key, 4096, 7168, 7168, i) for i in range(2)]))
+        elif name == "quantize":  # the activation quantizers (memory-bound: bytes moved over time)
+            def act(m, k, i):
+                return (jax.random.normal(jax.random.fold_in(key, 100 + i), (m, k), jnp.bfloat16),)
+            quantize = lambda x: ops.quantize_fp8_groups(x, ue8m0=True)[0]  # noqa: E731
+            silu_mul = lambda x: ops.silu_mul_quantize_fp8_groups(x, ue8m0=True)[0]  # noqa: E731
+            for m in (4096, 16384):
+                out.append((f"quantize {m}x7168", quantize, [act(m, 7168, i) for i in range(2)]))
+            for m in (512, 4096):
+                out.append((f"silu_mul quantize {m}x4096", silu_mul, [act(m, 4096, i) for i in range(2)]))
         elif name == "tiny":
             out.append(("tiny grouped M=16", gemm, [grouped(key, 16, 2, 256, 256, i) for i in range(2)]))
             out.append(("tiny einsum M=8", einsum, [linear(key, 8, 256, 256, i) for i in range(2)]))
