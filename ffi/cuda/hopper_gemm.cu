@@ -760,7 +760,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
   constexpr bool kFoldPair = kInt4 && !kF16 && kParts == 1 && kTok == 128 && !kTokenRows;
   static_assert(!kFoldX || kFoldPair, "folded activation scales: int4 weights, e4m3 MMA, 128-token tiles");
   static_assert(kCw == 2 || (kCw == 4 && kF16 && kParts == 1 && kTok <= 32 && !kTokenRows),
-                "four consumer warpgroups: the unfused f16 wgmma decode tiles");
+                "four consumer warpgroups: the unfused f16 decode tiles (8 to 32 tokens)");
   using L = Layout<kTok, kInt4, kParts, kF16, kCw>;
   using Occ = Occupancy<kTok, kParts, kCw>;
   constexpr int kThreads = ThreadsOf<kTok, kTokenRows, kCw>();
