@@ -282,7 +282,6 @@ def test_f16_loops_promote_without_token_scales(kernels):
             assert ffma == config[2] * n // 2 * groups, (config, n, ffma, groups)
 
 
-
 def test_folded_kernel_promotes_without_token_scales(kernels):
     """The e4m3 128-token kernel for activation scales folded into the activations (hopper_gemm.cu
     FoldTokenActivations): its main loop promotes with one FFMA per accumulator and the weight scale alone, no

@@ -339,12 +339,17 @@ def test_f16_tiles_units_around_half_a_tile_every_element_on_gpu(rng, device, ti
     and an odd last one."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
-    t = tile_tokens
-    sizes = [t // 2, t // 2 + 1, t // 2 - 1, t, 1, 0, t + t // 2, 3]
+    sizes = half_tile_sizes(tile_tokens)
     routed = sum(sizes)
-    plan = tiling.plan_grouped_gemm(routed + 8, len(sizes), n, 384, tile_tokens=t, mma="f16")
+    plan = tiling.plan_grouped_gemm(routed + 8, len(sizes), n, 384, tile_tokens=tile_tokens, mma="f16")
     assert (plan.split_k > 1) == split, plan
-    _check_bf16_every_element(rng, device, routed + 8, 384, n, sizes, routed, t, "f16", scale_kind)
+    _check_bf16_every_element(rng, device, routed + 8, 384, n, sizes, routed, tile_tokens, "f16", scale_kind)
+
+
+def half_tile_sizes(t):
+    """Rows per expert around half a token tile t: t / 2, one more and one less, t, 1, 0, 3 t / 2 (a whole unit,
+    then half of one) and 3 (the last, whose tile runs past the padding rows after it)."""
+    return [t // 2, t // 2 + 1, t // 2 - 1, t, 1, 0, t + t // 2, 3]
 
 
 @pytest.mark.gpu

@@ -11,12 +11,12 @@ import pytest
 import np_ref
 from conftest import run_poisoned
 from jax_w4a8 import ops, quant
-from test_w4a8_grouped_gemm import make_case
+from test_w4a8_grouped_gemm import half_tile_sizes, make_case
 
 
-def np_moe_up(args):
-    """float64: h = silu(gate) * up from the exact grouped GEMM."""
-    y = np_ref.grouped_gemm(*args)
+def np_moe_up(args, y=None):
+    """float64: h = silu(gate) * up from the exact grouped GEMM (``y``: that GEMM's result, if already made)."""
+    y = np_ref.grouped_gemm(*args) if y is None else y
     inter = y.shape[1] // 2
     g, u = y[:, :inter], y[:, inter:]
     return g * np.exp(-np.logaddexp(0.0, -g)) * u  # silu(g) = g * sigmoid(g), no overflow for g << 0
@@ -122,9 +122,9 @@ def check_every_code(h8, scale, args, static_scale, routed):
     """Every code of the first ``routed`` rows within half an e4m3 step of float64's h (plus half a subnormal
     step) and the summation error of float32 / f16-operand sums, bounded through h = silu(g) u by 2^-12 of the
     |terms| sums of g and u."""
-    h = np_moe_up(args)
-    inter = h.shape[1]
     y, a = np_ref.grouped_gemm(*args), np_ref.grouped_gemm(*args, absolute=True)
+    h = np_moe_up(args, y)
+    inter = h.shape[1]
     g, u, ag, au = y[:, :inter], y[:, inter:], a[:, :inter], a[:, inter:]
     sig = 0.5 * (1.0 + np.tanh(0.5 * g))  # sigmoid without overflow
     dh = 2.0**-12 * (np.abs(sig * (1.0 + g * (1.0 - sig)) * u) * ag + np.abs(g * sig) * au)
@@ -146,12 +146,11 @@ def test_fused_f16_tiles_units_around_half_a_tile(rng, device, tile_tokens, stat
     groups and an odd last one."""
     if device.platform != "gpu":
         pytest.skip("the fused kernel is CUDA only")
-    t = tile_tokens
-    sizes = [t // 2, t // 2 + 1, t // 2 - 1, t, 1, 0, t + t // 2, 3]
+    sizes = half_tile_sizes(tile_tokens)
     routed = sum(sizes)
     args = make_case(rng, routed + 8, 384, 2 * 512, sizes)
     s = np.float32(np.abs(np_moe_up(args)).max() / 448) if static else None
-    fn = functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=t, mma="f16")
+    fn = functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=tile_tokens, mma="f16")
     h8, scale = run_up(fn, args, device, static)
     check(h8, scale, args, s, covered=routed)
     check_every_code(h8, scale, args, s, routed)
