@@ -51,15 +51,29 @@ def test_batch_one_decode_splits_k():
 def test_forced_split_k_for_probes():
     """``split_k`` forces the K split (profile_case.py --split-k): whole tiles drop the stream-K scratch, a
     larger split keeps it; out of [1, K/128] is an error naming the argument."""
-    auto = tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS)     # batch 1, V3 gate+up: split 2
-    whole = tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS, split_k=1)
-    four = tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS, split_k=4)
+    # batch 1 of a gate+up whose N is not a multiple of 256 (so no 256-row blocks): split 2
+    auto = tiling.plan_grouped_gemm(8, 256, 3968, 7168, num_sms=SMS)
+    whole = tiling.plan_grouped_gemm(8, 256, 3968, 7168, num_sms=SMS, split_k=1)
+    four = tiling.plan_grouped_gemm(8, 256, 3968, 7168, num_sms=SMS, split_k=4)
     assert (auto.split_k, whole.split_k, four.split_k) == (2, 1, 4)
     assert whole.scratch_bytes < auto.scratch_bytes == four.scratch_bytes
     assert whole.tile_tokens == auto.tile_tokens == four.tile_tokens == 8
+    assert tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS, split_k=2).split_k == 2  # forced over the rule
     for bad in (0, 57, 2.0):
         with pytest.raises(ValueError, match="split_k"):
-            tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS, split_k=bad)
+            tiling.plan_grouped_gemm(8, 256, 3968, 7168, num_sms=SMS, split_k=bad)
+
+
+def test_whole_units_where_one_wave_of_256_row_blocks_fills_the_gpu():
+    # The f16 8- to 32-token tiles of whole units run 256-row blocks, one per SM (hopper_gemm.cu LaunchF16); the
+    # plan takes them over split-K where their busy units are one wave filling at least 90% of the SMs.
+    plan = tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS)  # batch 1, V3 gate+up: 8 x 16 units
+    assert (plan.split_k, plan.tile_tokens, plan.mma) == (1, 8, "f16")
+    assert tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=114).split_k == 2  # 126 units: two waves
+    assert tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=160).split_k == 2  # 79% of one wave
+    assert tiling.plan_grouped_gemm(64, 32, 4096, 7168, num_sms=SMS).split_k == 2  # 443 units, last wave 36% full
+    assert tiling.plan_grouped_gemm(1, 32, 4096, 7168, num_sms=SMS).split_k > 1  # 16 units
+    assert tiling.plan_grouped_gemm(8, 256, 4096, 7168, num_sms=SMS, mma="e4m3").split_k > 1  # 128-row blocks only
 
 
 def test_no_split_once_the_gpu_is_full():
