@@ -9,7 +9,7 @@ of one build move 5-17% between processes on the H200 (NOTEBOOK.md, twenty-third
 in `--rounds` fresh processes, alternating (A B, then B A, ...; use an even number so that every build runs
 first equally often), each timing its cases `--timings` times; the summary gives each process's median, their
 median per build, each build's over the first build's, and whether the outputs' checksums equal the first
-build's. `--deadline SECONDS` bounds the whole run's wall clock from its start (give it a device call's limit
+build's (if not, by how much: a summation order moves them by 1e-7 to 1e-3). `--deadline SECONDS` bounds the whole run's wall clock from its start (give it a device call's limit
 less a margin): the first round always runs (`--timeout` bounds its workers), a later round starts only if the
 slowest process so far says it ends in time (an even round only if its odd partner does too, so that every
 build runs first equally often), its workers get at most the time left, and one that runs past it ends the run
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import pathlib
 import statistics
@@ -180,10 +181,20 @@ def run_build(folder, names, timings, timeout):
     return rows[0]["build"], rows[1:]
 
 
+def _spread(sums):
+    """The checksums' largest difference relative to the largest of them: about 1e-7 to 1e-3 where a build only
+    sums in another order (a K split, another tile), about 1 or more where it computes something else."""
+    every = [c for cs in sums.values() for c in cs]
+    if not all(math.isfinite(c) for c in every):  # a NaN or Inf output: no relative size
+        return math.inf
+    scale = max(abs(c) for c in every)
+    return (max(every) - min(every)) / scale if scale else math.inf
+
+
 def summarize(builds, results):
     """Markdown table: per case and build, the median of its processes' medians (each process's median in
     parentheses, in run order), the ratio to the first build's, and whether the checksums equal the first
-    build's."""
+    build's (if not, by how much relative to the largest: see _spread)."""
     names = list(builds)
     cases = list(dict.fromkeys(r["case"] for rows in results[names[0]] for r in rows))
     lines = ["| case | " + " | ".join(f"{n} us" for n in names) + " | "
@@ -198,7 +209,7 @@ def summarize(builds, results):
         ratios = [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
         same = all(sums[n] == sums[names[0]] and len(sums[n]) == 1 for n in names)
         lines.append(f"| {case} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " | "
-                     + ("equal" if same else "DIFFER") + " |")
+                     + ("equal" if same else f"DIFFER by {_spread(sums):.1e}") + " |")
     return "\n".join(lines)
 
 

@@ -115,7 +115,12 @@ def test_ab_builds_summary_medians_ratios_and_output_check():
     assert table[0] == "| case | a us | b us | b / a | outputs |"
     # process medians a 11.0, 20.5 -> 15.75; b 9.25, 14.0 -> 11.625; ratio 0.738; b's second process changed
     # its checksum
-    assert table[2] == "| c1 | 15.8 (11.0, 20.5) | 11.6 (9.2, 14.0) | 0.738 | DIFFER |"
+    assert table[2] == "| c1 | 15.8 (11.0, 20.5) | 11.6 (9.2, 14.0) | 0.738 | DIFFER by 1.7e-01 |"  # (6 - 5) / 6
+    # another summation order moves the checksum a little; a NaN output has no relative size
+    for b_sum, label in ((4000.4, "DIFFER by 1.0e-04"), (float("nan"), "DIFFER by inf"), (4000.0, "equal")):
+        results = {"a": [[{"case": "c1", "us": [1.0], "checksum": 4000.0}]],
+                   "b": [[{"case": "c1", "us": [1.0], "checksum": b_sum}]]}
+        assert ab.summarize({"a": ".", "b": "."}, results).splitlines()[2].endswith(f"| {label} |")
 
 
 def test_ab_builds_refuses_one_library_given_twice(tmp_path):
