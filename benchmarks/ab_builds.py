@@ -2,19 +2,18 @@
 
     python benchmarks/ab_builds.py main=. new=/path/with/jax_w4a8 [--cases decode einsum] [--rounds 2]
 
-Each build is a folder that holds a `jax_w4a8` package with its compiled `_lib` modules: `.` for a checkout built
-in place (`cmake --install build` with `CMAKE_INSTALL_PREFIX=.`; an editable install keeps the modules
-elsewhere), or a copy of the package with a variant's modules in its `_lib`. Timings
-of one build move 5-17% between processes on the H200 (NOTEBOOK.md, twenty-third session), so every build runs
-in `--rounds` fresh processes, alternating (A B, then B A, ...; use an even number so that every build runs
-first equally often), each timing its cases `--timings` times; the summary gives each process's median, their
-median per build, each build's over the first build's, and whether the outputs' checksums equal the first
-build's (if not, by how much: a summation order moves them by 1e-7 to 1e-3). `--deadline SECONDS` bounds the whole run's wall clock from its start (give it a device call's limit
-less a margin): the first round always runs (`--timeout` bounds its workers), a later round starts only if the
-slowest process so far says it ends in time (an even round only if its odd partner does too, so that every
-build runs first equally often), its workers get at most the time left, and one that runs past it ends the run
-with the summary of the complete rounds (a run killed from outside prints nothing: the thirty-third session
-lost a 400 s A/B that way).
+Each build is a folder that holds a `jax_w4a8` package with its compiled `_lib` modules: `.` for a checkout built in
+place (`cmake --install build` with `CMAKE_INSTALL_PREFIX=.`; an editable install keeps the modules elsewhere), or a
+copy of the package with a variant's modules in its `_lib`. Timings of one build move 5-17% between processes on the
+H200 (NOTEBOOK.md, twenty-third session), so every build runs in `--rounds` fresh processes, alternating (A B, then
+B A, ...; use an even number so that every build runs first equally often), each timing its cases `--timings` times;
+the summary gives each process's median, their median per build, each build's over the first build's, and whether
+the outputs' checksums equal the first build's (if not, by how much: a summation order moves them by 1e-7 to 1e-3).
+`--deadline SECONDS` bounds the whole run's wall clock from its start (give it a device call's limit less a margin):
+the first round always runs (`--timeout` bounds its workers), a later round starts only if the slowest process so
+far says it ends in time (an even round only if its odd partner does too, so that every build runs first equally
+often), its workers get at most the time left, and one that runs past it ends the run with the summary of the
+complete rounds (a run killed from outside prints nothing: the thirty-third session lost a 400 s A/B that way).
 
 Guards against timing the wrong library: each worker checks that `jax_w4a8` and its compiled modules were
 imported from its folder (an editable install's import redirect is bypassed), that a source checkout's build
