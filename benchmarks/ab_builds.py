@@ -7,13 +7,14 @@ place (`cmake --install build` with `CMAKE_INSTALL_PREFIX=.`; an editable instal
 copy of the package with a variant's modules in its `_lib`. Timings of one build move 5-17% between processes on the
 H200 (NOTEBOOK.md, twenty-third session), so every build runs in `--rounds` fresh processes, alternating (A B, then
 B A, ...; use an even number so that every build runs first equally often), each timing its cases `--timings` times;
-the summary gives each process's median, their median per build, each build's over the first build's, and whether
-the outputs' checksums equal the first build's (if not, by how much: a summation order moves them by 1e-7 to 1e-3).
-`--deadline SECONDS` bounds the whole run's wall clock from its start (give it a device call's limit less a margin):
-the first round always runs (`--timeout` bounds its workers), a later round starts only if the slowest process so
-far says it ends in time (an even round only if its odd partner does too, so that every build runs first equally
-often), its workers get at most the time left, and one that runs past it ends the run with the summary of the
-complete rounds (a run killed from outside prints nothing: the thirty-third session lost a 400 s A/B that way).
+the summary gives each process's median, their median per build, each build's over the first build's (starred where
+no process of one build overlaps the other's), and whether the outputs' checksums equal the first build's (if not,
+by how much: a summation order moves them by 1e-7 to 1e-3). `--deadline SECONDS` bounds the whole run's wall clock
+from its start (give it a device call's limit less a margin): the first round always runs (`--timeout` bounds its
+workers), a later round starts only if the slowest process so far says it ends in time (an even round only if its
+odd partner does too, so that every build runs first equally often), its workers get at most the time left, and one
+that runs past it ends the run with the summary of the complete rounds (a run killed from outside prints nothing:
+the thirty-third session lost a 400 s A/B that way).
 
 Guards against timing the wrong library: each worker checks that `jax_w4a8` and its compiled modules were
 imported from its folder (an editable install's import redirect is bypassed), that a source checkout's build
@@ -192,8 +193,9 @@ def _spread(sums):
 
 def summarize(builds, results):
     """Markdown table: per case and build, the median of its processes' medians (each process's median in
-    parentheses, in run order), the ratio to the first build's, and whether the checksums equal the first
-    build's (if not, by how much relative to the largest: see _spread)."""
+    parentheses, in run order), the ratio to the first build's (starred where the two builds' processes do not
+    overlap), and whether the checksums equal the first build's (if not, by how much relative to the largest: see
+    _spread)."""
     names = list(builds)
     cases = list(dict.fromkeys(r["case"] for rows in results[names[0]] for r in rows))
     lines = ["| case | " + " | ".join(f"{n} us" for n in names) + " | "
@@ -205,11 +207,20 @@ def summarize(builds, results):
         sums = {n: {r["checksum"] for rows in results[n] for r in rows if r["case"] == case} for n in names}
         med = {n: statistics.median(per[n]) for n in names}
         cells = [f"{med[n]:.1f} ({', '.join(f'{t:.1f}' for t in per[n])})" for n in names]
-        ratios = [f"{med[n] / med[names[0]]:.3f}" for n in names[1:]]
+        ratios = [f"{med[n] / med[names[0]]:.3f}" + ("*" if _apart(per[n], per[names[0]]) else "")
+                  for n in names[1:]]
         same = all(sums[n] == sums[names[0]] and len(sums[n]) == 1 for n in names)
         lines.append(f"| {case} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " | "
                      + ("equal" if same else f"DIFFER by {_spread(sums):.1e}") + " |")
+    lines.append("")
+    lines.append(f"Ratios with a star: every process of that build was faster (or every one slower) than every "
+                 f"process of {names[0]}; the others are within the processes' spread.")
     return "\n".join(lines)
+
+
+def _apart(times, base):
+    """Whether two builds' process medians do not overlap (more than one process each)."""
+    return len(times) > 1 and len(base) > 1 and (max(times) < min(base) or min(times) > max(base))
 
 
 def main(argv=None):

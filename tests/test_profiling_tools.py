@@ -115,12 +115,18 @@ def test_ab_builds_summary_medians_ratios_and_output_check():
     assert table[0] == "| case | a us | b us | b / a | outputs |"
     # process medians a 11.0, 20.5 -> 15.75; b 9.25, 14.0 -> 11.625; ratio 0.738; b's second process changed
     # its checksum
-    assert table[2] == "| c1 | 15.8 (11.0, 20.5) | 11.6 (9.2, 14.0) | 0.738 | DIFFER by 1.7e-01 |"  # (6 - 5) / 6
+    # (6 - 5) / 6; no star: b's 14.0 lies within a's 11.0 .. 20.5
+    assert table[2] == "| c1 | 15.8 (11.0, 20.5) | 11.6 (9.2, 14.0) | 0.738 | DIFFER by 1.7e-01 |"
+    assert table[-1].startswith("Ratios with a star: every process of that build was faster")
     # another summation order moves the checksum a little; a NaN output has no relative size
     for b_sum, label in ((4000.4, "DIFFER by 1.0e-04"), (float("nan"), "DIFFER by inf"), (4000.0, "equal")):
         results = {"a": [[{"case": "c1", "us": [1.0], "checksum": 4000.0}]],
                    "b": [[{"case": "c1", "us": [1.0], "checksum": b_sum}]]}
         assert ab.summarize({"a": ".", "b": "."}, results).splitlines()[2].endswith(f"| {label} |")
+    # every process of b below every one of a: starred (one process each is never starred: no spread to judge)
+    results = {"a": [[{"case": "c1", "us": [10.0], "checksum": 1.0}], [{"case": "c1", "us": [12.0], "checksum": 1.0}]],
+               "b": [[{"case": "c1", "us": [9.0], "checksum": 1.0}], [{"case": "c1", "us": [9.5], "checksum": 1.0}]]}
+    assert "| 0.841* | equal |" in ab.summarize({"a": ".", "b": "."}, results)
 
 
 def test_ab_builds_refuses_one_library_given_twice(tmp_path):
