@@ -18,10 +18,10 @@ STEPS=${STEPS:-"sanitizer einsum_tests variant_tests variant_ab prefill decode_s
 # benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
 # VARIANT = main with a patch of this folder applied, for the steps variant_tests and variant_ab (the A/B times
-# VARIANT_CASES of ab_builds.py, default decode): .carry/variants/half (decode_half_units.patch: units of at most
-# half an f16 tile load half the activation rows and multiply at half the MMA width; the default) or
-# .carry/variants/tile24 (decode_tile24.patch: a 24-token f16 tile). Build: build_variant.sh PATCH NAME.
-VARIANT=${VARIANT:-.carry/variants/half}
+# VARIANT_CASES of ab_builds.py, default decode): .carry/variants/half16 (decode_half_units.patch: units of at
+# most 8 rows in the plain 16-token f16 tiles load those activation rows alone and multiply at half the MMA
+# width; the default). Build: build_variant.sh PATCH NAME.
+VARIANT=${VARIANT:-.carry/variants/half16}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment overrides the limit
