@@ -446,9 +446,9 @@ def _one_wide_wave(plan: GemmPlan, busy: float, rows: float, n: int, num_sms: in
     """Whether whole units of 256 rows (one block per SM) make one wave that fills the GPU where the plan split K
     (split-K runs the 128-row blocks and pays a fix-up per split unit). A batch-1 DeepSeek-V3 decode step's gate+up
     (8 of 256 experts, N = 4096: 128 units for 132 SMs): H200, the kernel alone (`ncu`, thirty-ninth session,
-    128-row blocks), split 1 45.7-46.5 us + 3.2-3.5 us of preparation vs split 2 50.6-52.3 + 4.2-4.4; H100, timing
-    loop with 256-row blocks (forty-sixth session), 0.87x and 0.95x the split plan's time. Several waves are left
-    to split-K (64 rows over 32 experts: 443 units, 3.4 waves, the last 36% full)."""
+    128-row blocks), split 1 45.7-46.5 us + 3.2-3.5 us of preparation vs split 2 50.6-52.3 + 4.2-4.4; with 256-row
+    blocks (forty-seventh session) H100 `ncu` 58.8-60.9 vs 64.5-66.8 us, H200 timing loop 58.9 vs 61.9-66.2 us.
+    Several waves are left to split-K (64 rows over 32 experts: 443 units, 3.4 waves, the last 36% full)."""
     if plan.tile_tokens not in _WIDE_TILES or n % 256:
         return False
     sms = num_sms or _num_sms()
