@@ -20,7 +20,8 @@ BASE=${BASE:-.carry/variants/base}
 # VARIANT = main with a patch of this folder applied, for the steps variant_tests and variant_ab (the A/B times
 # VARIANT_CASES of ab_builds.py, default decode): .carry/variants/half16 (decode_half_units.patch: units of at
 # most 8 rows in the plain 16-token f16 tiles load those activation rows alone and multiply at half the MMA
-# width; the default). Build: build_variant.sh PATCH NAME.
+# width; the default). Build: build_variant.sh PATCH NAME. AB_VARIANTS (space-separated folders, default VARIANT)
+# puts several copies in the one A/B, e.g. AB_VARIANTS=".carry/variants/half16 .carry/variants/split".
 VARIANT=${VARIANT:-.carry/variants/half16}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
@@ -52,8 +53,13 @@ if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
       tests/test_w4a8_moe_up.py -m gpu
     rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
   fi
+fi
+# AB_VARIANTS: the package copies the A/B times against main, each named by its folder (default: VARIANT)
+ab_builds=()
+for v in ${AB_VARIANTS:-$VARIANT}; do [[ -d $v/jax_w4a8/_lib ]] && ab_builds+=("$(basename "$v")=$v"); done
+if ((${#ab_builds[@]})); then
   variant_limit=${LIMIT_variant_ab:-240}
-  step variant_ab "$variant_limit" python3 benchmarks/ab_builds.py main=. var="$VARIANT" --cases ${VARIANT_CASES:-decode} \
+  step variant_ab "$variant_limit" python3 benchmarks/ab_builds.py main=. "${ab_builds[@]}" --cases ${VARIANT_CASES:-decode} \
     --rounds 4 --deadline $((variant_limit - 30))
 fi
 # 2. the int4 -> e4m3 selector change at prefill on the power-capped H200 (timing loop, alternating processes)
