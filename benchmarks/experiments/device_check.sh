@@ -37,6 +37,9 @@ step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment over
 }
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noheader
+# Package copies carried packed (tar cJf .carry/bundle.tar.xz .carry/variants/...: the CUDA modules compress 5x, so
+# four copies fit a call's carry beside jax_w4a8/_lib) are unpacked here.
+[[ -f .carry/bundle.tar.xz ]] && tar xJf .carry/bundle.tar.xz
 # 1. every handler under memcheck, racecheck and synccheck, the grouped decode kernel included, through the test
 #    that first fills a JAX compilation cache (run bare, the forty-first session's racecheck stopped while XLA loaded
 #    an executable under it, as in the eighteenth session)
@@ -49,7 +52,7 @@ if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
   # pytest puts the checkout ahead of PYTHONPATH), then the checkout's back
   if wanted variant_tests; then
     rm -rf "$OUT/main_pkg" && cp -r jax_w4a8 "$OUT/main_pkg" && cp -r "$VARIANT"/jax_w4a8/. jax_w4a8/
-    step variant_tests 240 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py \
+    step variant_tests 330 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py \
       tests/test_w4a8_moe_up.py -m gpu
     rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
   fi
