@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"sanitizer einsum_tests variant_tests variant_ab prefill decode_stalls decode_tiles variant_ncu"}
+STEPS=${STEPS:-"sanitizer einsum_tests variant_tests variant_ab prefill decode_stalls decode_tiles variant_ncu l1_survey"}
 # Package copies whose _lib holds another build (carry them too; their steps are skipped when missing): BASE = main
 # before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe:
 # benchmarks/experiments/README.md.
@@ -116,6 +116,22 @@ variant_ncu() {
 }
 export -f variant_ncu && export VARIANT
 [[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 300 bash -c variant_ncu
+# 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
+#    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
+#    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
+#    shared-memory configuration and the L2 read sectors from the SMs
+l1_survey() {
+  local c
+  for c in $L1_CASES; do
+    echo "## $c"
+    PYTHONPATH=$PWD/${L1_BUILD:-.} timeout --foreground 50 ncu --clock-control none \
+      --kernel-name regex:"HopperGemmKernel|Fp8Decode" --launch-skip 1 --launch-count 1 \
+      --metrics gpu__time_duration.sum,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld_lookup_miss.sum,launch__shared_mem_config_size,lts__t_sectors_srcunit_tex_op_read.sum \
+      python3 benchmarks/profile_case.py "$c" 2>&1 | grep -E "Kernel<|Kernel\(|__"
+  done
+}
+export -f l1_survey && export L1_CASES=${L1_CASES:-"fused64 fused512 decode64 top8_up1 o_proj1 square64 q_b1"}
+step l1_survey 300 bash -c l1_survey
 # keep the parallel test runs' per-shard logs (gpu_tests.py writes them under /tmp)
 cat /tmp/gpu_tests_*/* > "$OUT/gpu_tests_shards.log" 2>/dev/null
 echo "=== end $(date +%T)"
