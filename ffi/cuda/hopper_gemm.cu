@@ -1736,15 +1736,16 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   const size_t budget = std::min(kSmemBudget / kBlocks - (kBlocks - 1) * 2048, dev.smem_optin);
   int stages = static_cast<int>((budget - fixed - 24 * 8) / (L::kStageBytes + 24));  // + 3 mbarriers
   stages = std::max(2, std::min(stages, 8));
+  const auto smem_of = [&](int n) { return static_cast<size_t>(n) * (L::kStageBytes + 24) + fixed; };
   // The plain wide f16 tiles (256 weight rows per block) read their weight scales through L1, a 32-byte sector of
   // each row's [F, G] scales serving 8 groups: 256 rows hold 256 of L1's 128-byte lines (32 KiB). At 8 stages the
   // 32-token tile needs the 228 KiB shared-memory configuration, leaving 28 KiB of L1, and the lines thrash; at most
   // kL1SmemBytes of shared memory (7 stages) keeps the 196 KiB configuration and 60 KiB of L1. H100, ncu, gate+up
   // at 512 rows: L1 hit rate 38% -> 87%, L2 read sectors -12%, 195 -> 183 us (benchmarks/NOTEBOOK.md, 49th).
   if constexpr (kF16 && kInt4 && kParts == 1 && kCw == 4) {
-    while (stages > 4 && static_cast<size_t>(stages) * (L::kStageBytes + 24) + fixed > kL1SmemBytes) --stages;
+    while (stages > 4 && smem_of(stages) > kL1SmemBytes) --stages;
   }
-  const size_t smem = static_cast<size_t>(stages) * (L::kStageBytes + 24) + fixed;
+  const size_t smem = smem_of(stages);
   if (smem > dev.smem_optin) return cudaErrorInvalidConfiguration;
 
   CUtensorMap map_w, map_x, map_sx;
