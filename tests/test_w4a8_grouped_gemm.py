@@ -305,6 +305,18 @@ def test_staged_and_element_epilogues_every_element_on_gpu(rng, device, n, tile_
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n, k", [(512, 7168), (512, 2048)], ids=["gate_up", "down"])
+@pytest.mark.parametrize("tile_tokens", [8, 16, 32, 64])
+def test_f16_tiles_at_deepseek_widths_every_element_on_gpu(rng, device, n, k, tile_tokens):
+    """The f16 decode tiles at DeepSeek's K: how many shared-memory stages a kernel takes depends on K there (the
+    weight scales' L1 lines: 224-byte rows at K = 7168, 64-byte at 2048, hopper_gemm.cu's SmemForScaleLines), so
+    the smaller K of the other tests runs other stage counts. Every element of the routed rows near float64."""
+    if device.platform != "gpu":
+        pytest.skip("tile configurations exist on the CUDA handler only")
+    _check_bf16_every_element(rng, device, 200, k, n, [90, 0, 40, 7, 33], 170, tile_tokens, "f16", "group")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("sizes", ["random", "whole-units"])
 @pytest.mark.parametrize("tile_tokens, mma", [(16, "f16"), (32, "e4m3"), (32, "f16"), (64, "f16"), (128, "e4m3"),
                                              (128, "f16")])

@@ -118,6 +118,21 @@ def test_fused_kernel_many_units_per_block(rng, device, tile_tokens, mma, static
     check_every_code(h8, scale, args, s, m - 40)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile_tokens", [8, 16, 32, 64])
+def test_fused_f16_tiles_at_deepseek_hidden_size(rng, device, tile_tokens):
+    """The fused f16 tiles at K = 7168, where the weight scales' 224-byte rows make the kernels take fewer
+    shared-memory stages than at the other tests' K (hopper_gemm.cu's SmemForScaleLines): every code checked."""
+    if device.platform != "gpu":
+        pytest.skip("the fused kernel is CUDA only")
+    m, k, inter = 200, 7168, 256
+    args = make_case(rng, m, k, 2 * inter, [90, 0, 40, 7, 33])  # 30 padding rows
+    fn = functools.partial(ops.w4a8_moe_up, tile_tokens=tile_tokens, mma="f16")
+    h8, scale = run_up(fn, args, device, False)
+    check(h8, scale, args, covered=170)
+    check_every_code(h8, scale, args, None, 170)
+
+
 def check_every_code(h8, scale, args, static_scale, routed):
     """Every code of the first ``routed`` rows within half an e4m3 step of float64's h (plus half a subnormal
     step) and the summation error of float32 / f16-operand sums, bounded through h = silu(g) u by 2^-12 of the

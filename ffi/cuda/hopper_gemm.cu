@@ -76,7 +76,26 @@ constexpr int kKGroup = 128;       // K per stage = one scale group
 constexpr int kMaxBatches = 1024;  // batches (experts / heads) the on-device unit table holds
 constexpr int kPanelTiles = 8;     // token tiles per panel of the unit order (DecodeUnit)
 constexpr size_t kSmemBudget = 220 * 1024;
-constexpr size_t kL1SmemBytes = 195 * 1024;  // + 1 KiB the driver reserves: the 196 KiB configuration
+// The int4 kernels' consumers read each weight row's scales through L1 ([F, G], a 4-byte load per row and group):
+// a 32-byte sector serves 8 float32 groups, and L1 holds it in a 128-byte line of its own when a row's scales
+// span 128 bytes or more (56 groups: 224 bytes), or shares the line with its neighbours (16 groups: 64 bytes).
+// L1 is what the SM's shared-memory configuration leaves of 256 KiB: a block of 256 rows (32-token wide tile,
+// 225 KB of shared memory: the 228 KiB configuration) kept 28 KiB for 32 KiB of lines and hit L1 38% of the time.
+// SmemForScaleLines: the most shared memory per block that leaves L1 those lines (blocks x rows) plus kL1Spare.
+// H100, ncu, kernel alone, gate+up over 32 experts (benchmarks/NOTEBOOK.md, forty-ninth session), L1 hit rate and
+// time at 8 stages -> fewer: 32-token wide tile, 512 rows 38% -> 87%, 195 -> 183 us (L2 read sectors -12%);
+// fused 32-token, 512 rows 35% -> 88%, 217 -> 199 us (L2 read sectors -14%); fused 8-token, 64 rows (two blocks
+// per SM) 67% -> 86%, 168 -> 165 us. H200, timing loop (fiftieth session, three A/B runs): the fused up-projection
+// at 512 rows 0.84x-0.91x of the time with the 32-token wide tile's rule alone; the other decode cases level.
+constexpr int kSmemConfigsKiB[] = {228, 196, 164, 132, 100};  // Hopper's configurations, largest first
+constexpr size_t kL1Spare = 8 * 1024;
+constexpr int kMinStagesForL1 = 4;
+size_t SmemForScaleLines(int blocks, int64_t rows, int64_t row_scale_bytes) {
+  const size_t lines = static_cast<size_t>(blocks * rows * std::min<int64_t>(row_scale_bytes, 128));
+  for (int c : kSmemConfigsKiB)
+    if ((256 - c) * size_t{1024} >= lines + kL1Spare) return c * size_t{1024} / blocks - 1024;  // 1 KiB: the driver's
+  return 0;
+}
 
 struct KernelArgs {
   HopperGemmParams p;
@@ -1737,13 +1756,12 @@ cudaError_t Launch(const HopperGemmParams& p, cudaStream_t stream, const DeviceI
   int stages = static_cast<int>((budget - fixed - 24 * 8) / (L::kStageBytes + 24));  // + 3 mbarriers
   stages = std::max(2, std::min(stages, 8));
   const auto smem_of = [&](int n) { return static_cast<size_t>(n) * (L::kStageBytes + 24) + fixed; };
-  // The plain wide f16 tiles (256 weight rows per block) read their weight scales through L1, a 32-byte sector of
-  // each row's [F, G] scales serving 8 groups: 256 rows hold 256 of L1's 128-byte lines (32 KiB). At 8 stages the
-  // 32-token tile needs the 228 KiB shared-memory configuration, leaving 28 KiB of L1, and the lines thrash; at most
-  // kL1SmemBytes of shared memory (7 stages) keeps the 196 KiB configuration and 60 KiB of L1. H100, ncu, gate+up
-  // at 512 rows: L1 hit rate 38% -> 87%, L2 read sectors -12%, 195 -> 183 us (benchmarks/NOTEBOOK.md, 49th).
-  if constexpr (kF16 && kInt4 && kParts == 1 && kCw == 4) {
-    while (stages > 4 && smem_of(stages) > kL1SmemBytes) --stages;
+  // Fewer stages where the weight scales' lines would not fit L1 (SmemForScaleLines), on the f16 MMA path (the
+  // decode tiles; the e4m3 kernels keep theirs, unmeasured).
+  if constexpr (kInt4 && kF16) {
+    const int64_t row_bytes = (p.k / kKGroup) * (p.sw_type == WeightScaleType::kBf16 ? 2 : 4);
+    const size_t cap = SmemForScaleLines(kBlocks, int64_t{L::kFeat} * kParts, row_bytes);
+    while (stages > kMinStagesForL1 && smem_of(stages) > cap) --stages;
   }
   const size_t smem = smem_of(stages);
   if (smem > dev.smem_optin) return cudaErrorInvalidConfiguration;
