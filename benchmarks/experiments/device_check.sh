@@ -21,7 +21,7 @@ BASE=${BASE:-.carry/variants/base}
 # VARIANT_CASES of ab_builds.py, default decode): .carry/variants/half16 (decode_half_units.patch: units of at
 # most 8 rows in the plain 16-token f16 tiles load those activation rows alone and multiply at half the MMA
 # width; the default). Build: build_variant.sh PATCH NAME. AB_VARIANTS (space-separated folders, default VARIANT)
-# puts several copies in the one A/B, e.g. AB_VARIANTS=".carry/variants/half16 .carry/variants/split".
+# puts several copies in the one A/B, e.g. AB_VARIANTS=".carry/variants/half16 .carry/variants/scalepf".
 VARIANT=${VARIANT:-.carry/variants/half16}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
