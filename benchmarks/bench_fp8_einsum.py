@@ -43,7 +43,9 @@ def time_native_too(r, plan, fn, arg_sets, native_plan):
     r["native_plan"], r["native_us"] = plan_label(native_plan), C.bench(fn, arg_sets) * 1e6
 
 
-def run(args):
+def run(args, on_row=None):
+    """Measures every case; ``on_row(payload)`` after each row with the rows so far (``complete`` False), so that a
+    run stopped by a time limit still leaves its measured rows."""
     import jax
     import jax.numpy as jnp
 
@@ -55,6 +57,16 @@ def run(args):
     print(f"timing harness floor {floor * 1e6:.1f} us per call (adaptive n)", flush=True)
     key = jax.random.key(0)
     rows = []
+
+    def payload(complete):
+        return dict(copy_bw=bw, copy_bw_detail=detail, harness_floor_us=floor * 1e6, rows=list(rows),
+                    complete=complete, command="python benchmarks/bench_fp8_einsum.py " + " ".join(sys.argv[1:]))
+
+    def keep(r):  # a measured row: printed, and handed to on_row with the rows so far
+        rows.append(r)
+        print(fmt_row(r), flush=True)
+        if on_row is not None:
+            on_row(payload(False))
     ms = MS_QUICK if args.quick else MS_FULL
     linears = {k: v for k, v in LINEARS.items() if not args.quick or k in ("q_a", "kv_a", "qkv_a", "square", "o_proj")}
     for name, (n, k) in linears.items():
@@ -81,8 +93,7 @@ def run(args):
             time_native_too(r, plan, native, [(x8, xc, q, s) for q, s in w8], native_plan)
             peers = {}
             if args.peers == "none":
-                rows.append(r)
-                print(fmt_row(r), flush=True)
+                keep(r)
                 continue
             fp8 = jax.jit(lambda a, b, s: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
                                                               preferred_element_type=jnp.bfloat16) * s)
@@ -95,8 +106,7 @@ def run(args):
             peers["dequant_bf16_matmul"] = C.bench(deq, [(x, q, s) for q, s in w8])
             for p, tp in peers.items():
                 r[f"{p}_us"], r[f"x_{p}"] = tp * 1e6, tp / t
-            rows.append(r)
-            print(fmt_row(r), flush=True)
+            keep(r)
         del w8, wbf, wq
     bs = [1, 64] if args.quick else BS_FULL
     for name, (h, rr, d) in PER_HEAD.items():
@@ -122,8 +132,7 @@ def run(args):
                 bf = jax.jit(lambda a, c: jnp.einsum("bhr,hdr->bhd", a, c))
                 tp = C.bench(bf, [(x, wbf)])
                 r["xla_bf16_us"], r["x_xla_bf16"] = tp * 1e6, tp / t
-            rows.append(r)
-            print(fmt_row(r), flush=True)
+            keep(r)
     # The activation quantizer (bf16 -> e4m3 + UE8M0 group scales): bytes moved over time vs copy bandwidth.
     for m in ([16384] if args.quick else [4096, 16384]):
         k = 7168
@@ -152,9 +161,8 @@ def run(args):
                 tp = C.torch_bench(lambda: xt.to(torch.float8_e4m3fn))
                 r["torch_cast_us"], r["x_torch_cast"], r["torch_cast_frac_copy_bw"] = tp * 1e6, tp / t, cast_bytes / tp / bw
                 del xt
-        rows.append(r)
-        print(fmt_row(r), flush=True)
-    return dict(copy_bw=bw, copy_bw_detail=detail, harness_floor_us=floor * 1e6, rows=rows)
+        keep(r)
+    return payload(True)
 
 
 PEERS = ["xla_fp8_per_tensor", "xla_bf16", "dequant_bf16_matmul", "xla_jnp_quantizer", "xla_cast", "torch_cast"]
@@ -184,7 +192,9 @@ def report(payload):
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} "
             f"(jax {payload.get('jax')}{C.build_note(payload)}), "
-            f"`{payload.get('command', 'python benchmarks/bench_fp8_einsum.py')}`; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
+            f"`{payload.get('command', 'python benchmarks/bench_fp8_einsum.py')}`"
+            + (f" (stopped early: {len(payload['rows'])} rows measured)" if payload.get("complete") is False else "")
+            + f"; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
             "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours; "
             "plan `cutlass` = CUTLASS's blockwise-scaled GEMM (`kernel=\"cutlass\"`), with this library's own "
             "kernel timed on the same data in the last column."
@@ -214,8 +224,9 @@ def main():
         report(json.loads(pathlib.Path(args.report).read_text()))
         return
     out = C.out_dir(args.out)
-    payload = run(args)
-    payload["command"] = "python benchmarks/bench_fp8_einsum.py " + " ".join(sys.argv[1:])
+    # fp8_einsum.json is rewritten after every row ("complete": false until the last), so a run stopped by a device
+    # call's time limit keeps what it measured (--report renders it and says it stopped early)
+    payload = run(args, on_row=lambda partial: C.save_json(out / "fp8_einsum.json", partial))
     C.save_json(out / "fp8_einsum.json", payload)
 
 

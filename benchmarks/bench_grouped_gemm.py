@@ -50,7 +50,9 @@ def sizes_for(m, routing, rng):
     return rng.multinomial(m, p).astype(np.int32)
 
 
-def run(args):
+def run(args, on_row=None):
+    """Measures every case; ``on_row(payload)`` after each row with the rows so far (``complete`` False), so that a
+    run stopped by a time limit still leaves its measured rows."""
     import jax
     import jax.numpy as jnp
 
@@ -65,6 +67,11 @@ def run(args):
     torch_ok = C.have_torch() and not args.no_torch
     ms = args.ms or (MS_QUICK if args.quick else MS_FULL)
     rows = []
+
+    def payload(complete):
+        return dict(copy_bw=bw, copy_bw_detail=bw_detail, harness_floor_us=floor * 1e6, rows=list(rows),
+                    x_scales=args.x_scales, complete=complete,
+                    command="python benchmarks/bench_grouped_gemm.py " + " ".join(sys.argv[1:]))
     key = jax.random.key(0)
     for shape, (n, k) in SHAPES.items():
         g = k // 128
@@ -164,9 +171,10 @@ def run(args):
                         ops.w4a8_moe_up, mma=other, tile_tokens=fplan.tile_tokens)), sets) * 1e6
             rows.append(r)
             print(fmt_row(r), flush=True)
+            if on_row is not None:
+                on_row(payload(False))
         del w4, ws, wb, w8t, wi4
-    return dict(copy_bw=bw, copy_bw_detail=bw_detail, harness_floor_us=floor * 1e6, rows=rows, x_scales=args.x_scales,
-                command="python benchmarks/bench_grouped_gemm.py " + " ".join(sys.argv[1:]))
+    return payload(True)
 
 
 def _unfused_up(ops, x8, xs, w, s, sizes, inter):
@@ -264,7 +272,9 @@ def report(payload, out):
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} "
             f"(jax {payload.get('jax')}{C.build_note(payload)}), "
-            f"`{payload.get('command', 'python benchmarks/bench_grouped_gemm.py')}`; copy bandwidth "
+            f"`{payload.get('command', 'python benchmarks/bench_grouped_gemm.py')}`"
+            + (f" (stopped early: {len(rows)} rows measured)" if payload.get("complete") is False else "")
+            + f"; copy bandwidth "
             f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; activation scales "
             f"{X_SCALES.get(payload.get('x_scales', 'f32'), payload.get('x_scales'))}; `vs X` is X's time over ours (higher is better for "
             "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`, or `cutlass` (int4 weights "
@@ -330,7 +340,9 @@ def main():
         report(json.loads(pathlib.Path(args.report).read_text()), None)
         return
     out = C.out_dir(args.out)
-    payload = run(args)
+    # grouped_gemm.json is rewritten after every row ("complete": false until the last), so a run stopped by a
+    # device call's time limit keeps what it measured (--report renders it and says it stopped early)
+    payload = run(args, on_row=lambda partial: C.save_json(out / "grouped_gemm.json", partial))
     C.save_json(out / "grouped_gemm.json", payload)
     print(C.fmt_table([{"row": fmt_row(r)} for r in payload["rows"]], ["row"]))
     try:

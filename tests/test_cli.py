@@ -216,3 +216,89 @@ def test_bench_generate_expert_parallel_makes_sharded_weights(tmp_path):
     rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
     assert {(r["model"], r["phase"]) for r in rows} == {("w4a8@ep4", "prefill"), ("w4a8@ep4", "decode")}
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+
+
+def test_bench_grouped_gemm_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypatch):
+    """benchmarks/bench_grouped_gemm.py rewrites its JSON after every row ("complete": false until the last), so a
+    run killed by a device call's time limit keeps its measured rows, and --report says it stopped early. Small
+    shapes on the CPU handler; the timing loop is one real call per measurement."""
+    import argparse
+    import importlib.util
+    import json
+
+    import jax
+
+    spec = importlib.util.spec_from_file_location("bench_grouped_gemm", os.path.join(ROOT, "benchmarks",
+                                                                                     "bench_grouped_gemm.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    C = bench.C
+    calls = []
+
+    def one_call(fn, arg_sets, **_):
+        calls.append(fn)
+        jax.block_until_ready(fn(*arg_sets[0]))
+        return 1e-4
+
+    monkeypatch.setattr(C, "bench", one_call)
+    monkeypatch.setattr(C, "copy_bandwidth", lambda: (1e12, {"xla": 1e12}))
+    monkeypatch.setattr(C, "harness_floor", lambda: 2e-6)
+    monkeypatch.setattr(bench, "SHAPES", {"down": (256, 256)})
+    monkeypatch.setattr(C, "RESULTS", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(C, "HERE", tmp_path)
+    args = argparse.Namespace(ms=[16, 40], quick=False, no_torch=True, x_scales="ue8m0", peers="none", tiles=[])
+    out = tmp_path / "grouped_gemm.json"
+    seen = []
+
+    def on_row(partial):
+        seen.append((len(partial["rows"]), partial["complete"]))
+        C.save_json(out, partial)
+
+    final = bench.run(args, on_row=on_row)
+    assert seen == [(1, False), (2, False)]
+    assert final["complete"] is True and [r["M"] for r in final["rows"]] == [16, 40]
+    assert all(r["rel_err_vs_simple"] < 1e-2 and r["ours_us"] == 100.0 for r in final["rows"]), final["rows"]
+    stopped = json.loads(out.read_text())  # what a run killed after its second row leaves
+    assert stopped["complete"] is False and len(stopped["rows"]) == 2 and stopped["build"]
+    stopped["rows"] = stopped["rows"][:1]
+    bench.report(stopped, None)
+    section = (tmp_path / "RESULTS.md").read_text()
+    assert "(stopped early: 1 rows measured)" in section and "| down | 16 | uniform |" in section, section
+    bench.report(dict(stopped, complete=True), None)
+    assert "stopped early" not in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_bench_fp8_einsum_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypatch):
+    """benchmarks/bench_fp8_einsum.py, likewise: a row handed on after each measurement, "complete" only at the end,
+    and --report's note for a run stopped early. One small linear on the CPU handler, plus the quantizer's row."""
+    import argparse
+    import importlib.util
+
+    import jax
+
+    spec = importlib.util.spec_from_file_location("bench_fp8_einsum", os.path.join(ROOT, "benchmarks",
+                                                                                   "bench_fp8_einsum.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    C = bench.C
+
+    def one_call(fn, arg_sets, **_):
+        jax.block_until_ready(fn(*arg_sets[0]))
+        return 1e-4
+
+    monkeypatch.setattr(C, "bench", one_call)
+    monkeypatch.setattr(C, "copy_bandwidth", lambda: (1e12, {"xla": 1e12}))
+    monkeypatch.setattr(C, "harness_floor", lambda: 2e-6)
+    monkeypatch.setattr(bench, "LINEARS", {"q_a": (256, 384)})
+    monkeypatch.setattr(bench, "MS_QUICK", [1, 16])
+    monkeypatch.setattr(bench, "PER_HEAD", {})
+    monkeypatch.setattr(C, "RESULTS", tmp_path / "RESULTS.md")
+    seen = []
+    final = bench.run(argparse.Namespace(quick=True, peers="none"),
+                      on_row=lambda p: seen.append((len(p["rows"]), p["complete"])))
+    assert seen == [(1, False), (2, False), (3, False)]
+    assert final["complete"] is True
+    assert [(r["case"], r["M"]) for r in final["rows"]] == [("q_a", 1), ("q_a", 16), ("quantizer", 16384)]
+    assert all(r["rel_err_vs_simple"] < 1e-2 for r in final["rows"]), final["rows"]
+    bench.report(dict(final, rows=final["rows"][:2], complete=False))
+    assert "(stopped early: 2 rows measured)" in (tmp_path / "RESULTS.md").read_text()
