@@ -41,25 +41,8 @@ def bench(fn, arg_sets, n=None, rounds=5, device_loop=True, min_program_s=5e-3, 
     at n = 10, 6.9 at 50, 2.7 at 200). Otherwise each call is dispatched from Python.
     """
     if device_loop:
-        flat = [a for s in arg_sets for a in s]
-        adaptive = n is None
-        n = 10 if adaptive else n
-        many = jax.jit(_unrolled(fn, len(arg_sets), n))
-        jax.block_until_ready(many(*flat))
-        if adaptive:
-            t0 = time.perf_counter()
-            jax.block_until_ready(many(*flat))
-            once = time.perf_counter() - t0
-            if once < min_program_s:
-                n = min(max_n, -(-int(n * min_program_s / max(once, 1e-6)) // len(arg_sets)) * len(arg_sets))
-                many = jax.jit(_unrolled(fn, len(arg_sets), n))
-                jax.block_until_ready(many(*flat))
-        times = []
-        for _ in range(rounds):
-            t0 = time.perf_counter()
-            jax.block_until_ready(many(*flat))
-            times.append((time.perf_counter() - t0) / n)
-        return statistics.median(times)
+        run, n = _device_loop(fn, arg_sets, n, min_program_s, max_n)
+        return statistics.median(run() / n for _ in range(rounds))
     for a in arg_sets[:2]:
         jax.block_until_ready(fn(*a))
     times = []
@@ -71,6 +54,47 @@ def bench(fn, arg_sets, n=None, rounds=5, device_loop=True, min_program_s=5e-3, 
         jax.block_until_ready(out)
         times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
+
+
+def bench_alternating(fns, rounds=5, min_program_s=5e-3, max_n=200):
+    """Seconds per call of each ``name: (fn, arg_sets)`` of ``fns``, as :func:`bench`'s device loop, but with the
+    rounds of the different functions interleaved (A B B A A B ...), so that a drift of the clock or of the GPU's
+    state during the process weighs on all of them alike: for comparisons in one process such as fused vs unfused.
+    Returns {name: median seconds per call}."""
+    loops = {name: _device_loop(fn, sets, None, min_program_s, max_n) for name, (fn, sets) in fns.items()}
+    times = {name: [] for name in fns}
+    order = list(fns)
+    for r in range(rounds):
+        for name in (order if r % 2 == 0 else order[::-1]):
+            run, n = loops[name]
+            times[name].append(run() / n)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _device_loop(fn, arg_sets, n, min_program_s, max_n):
+    """(run, n): ``run()`` times one launch of a jitted program of ``n`` chained calls of ``fn`` over ``arg_sets``
+    (seconds for all n), compiled and warmed; ``n=None`` picks it (10, raised up to ``max_n`` until one program runs
+    at least ``min_program_s``)."""
+    flat = [a for s in arg_sets for a in s]
+    adaptive = n is None
+    n = 10 if adaptive else n
+    many = jax.jit(_unrolled(fn, len(arg_sets), n))
+    jax.block_until_ready(many(*flat))
+    if adaptive:
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(*flat))
+        once = time.perf_counter() - t0
+        if once < min_program_s:
+            n = min(max_n, -(-int(n * min_program_s / max(once, 1e-6)) // len(arg_sets)) * len(arg_sets))
+            many = jax.jit(_unrolled(fn, len(arg_sets), n))
+            jax.block_until_ready(many(*flat))
+
+    def run():
+        t0 = time.perf_counter()
+        jax.block_until_ready(many(*flat))
+        return time.perf_counter() - t0
+
+    return run, n
 
 
 def _unrolled(fn, n_sets, n):

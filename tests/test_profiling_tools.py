@@ -210,6 +210,31 @@ def _common():
     return _common
 
 
+def test_bench_alternating_interleaves_the_rounds_and_times_each_function():
+    """benchmarks/_common.bench_alternating: every function compiled once, its rounds interleaved with the others'
+    (A B, B A, A B: a drift in the process weighs on both), one median per function."""
+    import jax
+    import jax.numpy as jnp
+
+    C = _common()
+    log = []
+    x = jnp.arange(64, dtype=jnp.float32)
+
+    def traced(name, f):
+        def fn(v):
+            jax.debug.callback(lambda: log.append(name))  # once per call of the program's n chained calls
+            return f(v)
+        return fn
+
+    got = C.bench_alternating({"a": (traced("a", lambda v: v * 2), [(x,)]), "b": (traced("b", jnp.sin), [(x,)])},
+                              rounds=3, min_program_s=0.0)
+    assert set(got) == {"a", "b"} and all(0 < t < 1 for t in got.values()), got
+    runs = [name for i, name in enumerate(log) if i == 0 or log[i - 1] != name]  # one entry per program launch
+    # two launches each to compile, warm and size n (a a, b b), then the rounds a b | b a | a b: the b b and a a at
+    # the round boundaries merge, so the runs read a b a b a b (always a before b would read a b a b a b a b)
+    assert runs == ["a", "b", "a", "b", "a", "b"] and log.count("a") == log.count("b") == 5 * 10, (runs, len(log))
+
+
 def _trace(spans):
     """A perfetto trace dict: kernels (stream, name, start, duration) on /device:GPU:0, plus one host event."""
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
