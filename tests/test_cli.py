@@ -233,10 +233,8 @@ def test_bench_grouped_gemm_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypa
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     C = bench.C
-    calls = []
 
     def one_call(fn, arg_sets, **_):
-        calls.append(fn)
         jax.block_until_ready(fn(*arg_sets[0]))
         return 1e-4
 

@@ -85,8 +85,9 @@ constexpr size_t kSmemBudget = 220 * 1024;
 // H100, ncu, kernel alone, gate+up over 32 experts (benchmarks/NOTEBOOK.md, forty-ninth session), L1 hit rate and
 // time at 8 stages -> fewer: 32-token wide tile, 512 rows 38% -> 87%, 195 -> 183 us (L2 read sectors -12%);
 // fused 32-token, 512 rows 35% -> 88%, 217 -> 199 us (L2 read sectors -14%); fused 8-token, 64 rows (two blocks
-// per SM) 67% -> 86%, 168 -> 165 us. H200, timing loop (fiftieth session, three A/B runs): the fused up-projection
-// at 512 rows 0.84x-0.91x of the time with the 32-token wide tile's rule alone; the other decode cases level.
+// per SM) 67% -> 86%, 168 -> 165 us. H200, timing loop (fiftieth session, three A/B runs against the former rule,
+// which covered the 32-token wide tile only): the fused up-projection at 512 rows 0.84x-0.91x the time, the other
+// decode cases level.
 constexpr int kSmemConfigsKiB[] = {228, 196, 164, 132, 100};  // Hopper's configurations, largest first
 constexpr size_t kL1Spare = 8 * 1024;
 constexpr int kMinStagesForL1 = 4;
