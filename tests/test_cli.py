@@ -300,3 +300,10 @@ def test_bench_fp8_einsum_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypatc
     assert all(r["rel_err_vs_simple"] < 1e-2 for r in final["rows"]), final["rows"]
     bench.report(dict(final, rows=final["rows"][:2], complete=False))
     assert "(stopped early: 2 rows measured)" in (tmp_path / "RESULTS.md").read_text()
+    # with peers: XLA fp8's ratio is to ours timed beside it in interleaved rounds (real loops here), the other
+    # peers' to ours of the row
+    monkeypatch.setattr(bench, "MS_QUICK", [16])
+    row = bench.run(argparse.Namespace(quick=True, peers="all"))["rows"][0]
+    assert row["ours_us"] == 100.0 and row["ours_us_beside_xla_fp8"] > 0 and row["xla_fp8_per_tensor_us"] > 0
+    assert row["x_xla_fp8_per_tensor"] == pytest.approx(row["xla_fp8_per_tensor_us"] / row["ours_us_beside_xla_fp8"])
+    assert row["x_xla_bf16"] == pytest.approx(row["xla_bf16_us"] / 100.0)
