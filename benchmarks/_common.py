@@ -214,7 +214,12 @@ def build_note(payload) -> str:
 def save_json(path, payload):
     payload = dict(payload, date=datetime.date.today().isoformat(), jax=jax.__version__,
                    device=str(jax.devices()[0].device_kind), build=library_build())
-    pathlib.Path(path).write_text(json.dumps(payload, indent=1))
+    # written whole, then renamed over the file: a run killed mid-write (the benchmarks save after every row) leaves
+    # the previous rows, not a truncated file
+    path = pathlib.Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
 
 
 def update_results_section(name, body):

@@ -201,8 +201,9 @@ def report(payload):
             f"`{payload.get('command', 'python benchmarks/bench_fp8_einsum.py')}`"
             + (f" (stopped early: {len(payload['rows'])} rows measured)" if payload.get("complete") is False else "")
             + f"; copy bandwidth {payload['copy_bw'] / 1e12:.2f} TB/s. "
-            "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours "
-            "(XLA fp8's over ours timed in interleaved rounds with it: `ours_us_beside_xla_fp8` in the JSON); "
+            "UE8M0 block scales as codes for the linears, fp32 scales per head; `vs X` is X's time over ours"
+            + (" (XLA fp8's over ours timed in interleaved rounds with it: `ours_us_beside_xla_fp8` in the JSON)"
+               if any("ours_us_beside_xla_fp8" in r for r in payload["rows"]) else "") + "; "
             "plan `cutlass` = CUTLASS's blockwise-scaled GEMM (`kernel=\"cutlass\"`), with this library's own "
             "kernel timed on the same data in the last column."
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "

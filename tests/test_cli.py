@@ -257,6 +257,7 @@ def test_bench_grouped_gemm_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypa
     assert final["complete"] is True and [r["M"] for r in final["rows"]] == [16, 40]
     assert all(r["rel_err_vs_simple"] < 1e-2 and r["ours_us"] == 100.0 for r in final["rows"]), final["rows"]
     stopped = json.loads(out.read_text())  # what a run killed after its second row leaves
+    assert not (tmp_path / "grouped_gemm.json.tmp").exists()  # written aside, then renamed over the file
     assert stopped["complete"] is False and len(stopped["rows"]) == 2 and stopped["build"]
     stopped["rows"] = stopped["rows"][:1]
     bench.report(stopped, None)
@@ -307,3 +308,7 @@ def test_bench_fp8_einsum_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypatc
     assert row["ours_us"] == 100.0 and row["ours_us_beside_xla_fp8"] > 0 and row["xla_fp8_per_tensor_us"] > 0
     assert row["x_xla_fp8_per_tensor"] == pytest.approx(row["xla_fp8_per_tensor_us"] / row["ours_us_beside_xla_fp8"])
     assert row["x_xla_bf16"] == pytest.approx(row["xla_bf16_us"] / 100.0)
+    interleaved = "XLA fp8's over ours timed in interleaved rounds"
+    assert interleaved not in (tmp_path / "RESULTS.md").read_text()  # the --peers none report above
+    bench.report(dict(final, rows=[row]))
+    assert interleaved in (tmp_path / "RESULTS.md").read_text()
