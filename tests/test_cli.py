@@ -162,7 +162,7 @@ def test_bench_generate_tiny_runs(tmp_path, monkeypatch):
     decode trace runs too (a CPU backend records no device kernels: an empty breakdown)."""
     import json
 
-    bench = _load_bench_generate()
+    bench = _load_bench("bench_generate")
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # --trace-steps adds a flag: undone after
     assert bench.main(["--tiny", "--layers", "1", "--prefill", "16", "--batches", "2", "--trace-steps", "1",
                        "--trace-prefill", "--attention", "auto", "--out", str(tmp_path)]) == 0
@@ -178,14 +178,28 @@ def test_bench_generate_tiny_runs(tmp_path, monkeypatch):
     assert "--xla_enable_command_buffers_during_profiling=true" in os.environ["XLA_FLAGS"]
 
 
-def _load_bench_generate():
+def _load_bench(name):
+    """The script benchmarks/NAME.py as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("bench_generate", os.path.join(ROOT, "benchmarks",
-                                                                                  "bench_generate.py"))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     return bench
+
+
+def _one_call_timing(monkeypatch, C):
+    """The benchmarks' timing helpers (module _common as ``C``) for CPU tests: each measurement one real call of
+    its function (100 us reported), fixed copy bandwidth (1 TB/s) and harness floor."""
+    import jax
+
+    def one_call(fn, arg_sets, **_):
+        jax.block_until_ready(fn(*arg_sets[0]))
+        return 1e-4
+
+    monkeypatch.setattr(C, "bench", one_call)
+    monkeypatch.setattr(C, "copy_bandwidth", lambda: (1e12, {"xla": 1e12}))
+    monkeypatch.setattr(C, "harness_floor", lambda: 2e-6)
 
 
 def test_bench_generate_expert_parallel_makes_sharded_weights(tmp_path):
@@ -197,7 +211,7 @@ def test_bench_generate_expert_parallel_makes_sharded_weights(tmp_path):
     from jax_w4a8 import sharding
     from jax_w4a8.models.deepseek import QuantConfig
 
-    bench = _load_bench_generate()
+    bench = _load_bench("bench_generate")
     cfg = bench.v3_config(1, 0, tiny=True)
     mesh = sharding.make_mesh(4)
     model = bench.random_model(cfg, QuantConfig.w4a8(), jnp.float32, mesh)
@@ -223,24 +237,11 @@ def test_bench_grouped_gemm_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypa
     run killed by a device call's time limit keeps its measured rows, and --report says it stopped early. Small
     shapes on the CPU handler; the timing loop is one real call per measurement."""
     import argparse
-    import importlib.util
     import json
 
-    import jax
-
-    spec = importlib.util.spec_from_file_location("bench_grouped_gemm", os.path.join(ROOT, "benchmarks",
-                                                                                     "bench_grouped_gemm.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench("bench_grouped_gemm")
     C = bench.C
-
-    def one_call(fn, arg_sets, **_):
-        jax.block_until_ready(fn(*arg_sets[0]))
-        return 1e-4
-
-    monkeypatch.setattr(C, "bench", one_call)
-    monkeypatch.setattr(C, "copy_bandwidth", lambda: (1e12, {"xla": 1e12}))
-    monkeypatch.setattr(C, "harness_floor", lambda: 2e-6)
+    _one_call_timing(monkeypatch, C)
     monkeypatch.setattr(bench, "SHAPES", {"down": (256, 256)})
     monkeypatch.setattr(C, "RESULTS", tmp_path / "RESULTS.md")
     monkeypatch.setattr(C, "HERE", tmp_path)
@@ -271,23 +272,10 @@ def test_bench_fp8_einsum_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypatc
     """benchmarks/bench_fp8_einsum.py, likewise: a row handed on after each measurement, "complete" only at the end,
     and --report's note for a run stopped early. One small linear on the CPU handler, plus the quantizer's row."""
     import argparse
-    import importlib.util
 
-    import jax
-
-    spec = importlib.util.spec_from_file_location("bench_fp8_einsum", os.path.join(ROOT, "benchmarks",
-                                                                                   "bench_fp8_einsum.py"))
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = _load_bench("bench_fp8_einsum")
     C = bench.C
-
-    def one_call(fn, arg_sets, **_):
-        jax.block_until_ready(fn(*arg_sets[0]))
-        return 1e-4
-
-    monkeypatch.setattr(C, "bench", one_call)
-    monkeypatch.setattr(C, "copy_bandwidth", lambda: (1e12, {"xla": 1e12}))
-    monkeypatch.setattr(C, "harness_floor", lambda: 2e-6)
+    _one_call_timing(monkeypatch, C)
     monkeypatch.setattr(bench, "LINEARS", {"q_a": (256, 384)})
     monkeypatch.setattr(bench, "MS_QUICK", [1, 16])
     monkeypatch.setattr(bench, "PER_HEAD", {})
