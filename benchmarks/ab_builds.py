@@ -23,7 +23,8 @@ is not stale, and reports the fingerprint of the ffi/ sources its modules were b
 measures the same-build spread on purpose).
 
 Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused
-up-projection at 64 and 512), batch1 (a batch-1 decode step's routed experts: one row on each of 8 of 256
+up-projection at 64 and 512), fused (the fused up-projection at 64, 128, 256 and 512 rows over 32 experts: its 8-,
+8-, 16- and 32-token f16 tiles), batch1 (a batch-1 decode step's routed experts: one row on each of 8 of 256
 experts, gate+up and down at DeepSeek-V3 widths, the other experts' weights zeros), einsum (DeepSeek-V3 linears at
 1 and 64 tokens, UE8M0 codes), einsum1 (a decode step's one-token linears: q_a + kv_a in one product, q_b, kv_a,
 the shared expert's gate+up and down, o_proj), prefill (grouped GEMM at 4096 rows with float32, UE8M0 and
@@ -45,7 +46,7 @@ import sys
 import time
 
 HERE = pathlib.Path(__file__).resolve().parent
-CASE_SETS = ("decode", "batch1", "einsum", "einsum1", "prefill", "quantize", "tiny")
+CASE_SETS = ("decode", "fused", "batch1", "einsum", "einsum1", "prefill", "quantize", "tiny")
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -81,6 +82,9 @@ def _cases(names):
                     out.append((f"{shape} M={m}", gemm, [grouped(key, m, 32, n, k, i) for i in range(2)]))
                 if m != 256:
                     out.append((f"fused M={m}", fused, [grouped(key, m, 32, 4096, 7168, i) for i in range(2)]))
+        elif name == "fused":  # the fused up-projection at each of its f16 tiles (8, 8, 16, 32 tokens)
+            for m in (64, 128, 256, 512):
+                out.append((f"fused M={m}", fused, [grouped(key, m, 32, 4096, 7168, i) for i in range(2)]))
         elif name == "batch1":
             for shape, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):
                 sets = [_top8_case(jax.random.fold_in(key, i), n, k) for i in range(2)]
@@ -117,7 +121,9 @@ def _cases(names):
             out.append(("tiny einsum M=8", einsum, [linear(key, 8, 256, 256, i) for i in range(2)]))
         else:
             raise ValueError(f"unknown case set {name!r}; known: {', '.join(CASE_SETS)}")
-    return out
+    # a case in two of the sets (decode and fused share the fused op at 64 and 512 rows) is timed once
+    labels = [label for label, *_ in out]
+    return [case for i, case in enumerate(out) if case[0] not in labels[:i]]
 
 
 def worker(folder, names, timings, build_only=False):

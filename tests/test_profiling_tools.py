@@ -105,6 +105,13 @@ def _ab_module():
     return mod
 
 
+def test_ab_builds_times_a_case_of_two_sets_once(monkeypatch):
+    monkeypatch.syspath_prepend(BENCH)  # the worker's imports (probe_kernels, profile_case)
+    ab = _ab_module()
+    labels = [label for label, *_ in ab._cases(["tiny", "tiny"])]
+    assert labels == ["tiny grouped M=16", "tiny einsum M=8"]
+
+
 def test_ab_builds_summary_medians_ratios_and_output_check():
     ab = _ab_module()
     results = {"a": [[{"case": "c1", "us": [10.0, 12.0], "checksum": 5.0}],
