@@ -116,6 +116,30 @@ variant_ncu() {
 }
 export -f variant_ncu && export VARIANT
 [[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 300 bash -c variant_ncu
+# 5b. the fused up-projection's epilogue variants (FUSED_VARIANTS, default: fused_epilogue and fused_async_epilogue,
+#     where carried; fifty-first session): each one's fused GPU tests and racecheck / synccheck with its package in
+#     the checkout's place, then the fused kernel's time beside main's (kernel alone, fused512 and fused64). About
+#     400 s on an H100: a call of its own.
+fused_variants() {
+  local v c pkg
+  for v in $FUSED_VARIANTS; do
+    [[ -d $v/jax_w4a8/_lib ]] || continue
+    echo "## $(basename "$v"): tests, racecheck, synccheck"
+    rm -rf "$OUT/main_pkg" && cp -r jax_w4a8 "$OUT/main_pkg" && cp -r "$v"/jax_w4a8/. jax_w4a8/
+    timeout --foreground 150 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_moe_up.py -m gpu 2>&1 | tail -n 3
+    timeout --foreground 220 python3 -m pytest -q -m gpu tests/test_sanitizer.py -k "racecheck or synccheck" 2>&1 |
+      tail -n 2
+    rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
+  done
+  for c in fused512 fused64; do for pkg in "$PWD" $FUSED_VARIANTS; do
+    [[ -d $pkg/jax_w4a8/_lib ]] || continue
+    echo "## $c ${pkg#$PWD}"
+    PYTHONPATH=$pkg kernel_counters 40 "$c"
+  done; done
+}
+export -f fused_variants
+export FUSED_VARIANTS=${FUSED_VARIANTS:-".carry/variants/fused_epilogue .carry/variants/fused_async_epilogue"}
+step fused_variants 560 bash -c fused_variants
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
