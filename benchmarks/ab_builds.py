@@ -22,15 +22,14 @@ is not stale, and reports the fingerprint of the ffi/ sources its modules were b
 (`jax_w4a8.build_info()`); two builds with the same fingerprint stop the run unless `--allow-same` (which
 measures the same-build spread on purpose).
 
-Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused
-up-projection at 64 and 512), fused (the fused up-projection at 64, 128, 256 and 512 rows over 32 experts: its 8-,
-8-, 16- and 32-token f16 tiles), batch1 (a batch-1 decode step's routed experts: one row on each of 8 of 256
-experts, gate+up and down at DeepSeek-V3 widths, the other experts' weights zeros), einsum (DeepSeek-V3 linears at
-1 and 64 tokens, UE8M0 codes), einsum1 (a decode step's one-token linears: q_a + kv_a in one product, q_b, kv_a,
-the shared expert's gate+up and down, o_proj), prefill (grouped GEMM at 4096 rows with float32, UE8M0 and
-per-tensor activation scales, einsum 4096 x 7168 x 7168), quantize (the bf16 activation quantizer at 4096 and
-16384 x 7168 and the SiLU-mul one at 512 and 4096 x 2 x 2048, UE8M0 scales), tiny (small shapes that also run on
-the CPU, for tests).
+Case sets: decode (grouped GEMM gate+up / down at 64, 256 and 512 routed rows over 32 experts, fused up-projection
+at 64 and 512), fused (the fused up-projection at 64, 128, 256, 512 and 1024 rows over 32 experts: its 8-, 8-, 16-,
+32- and 64-token f16 tiles), batch1 (a batch-1 decode step's routed experts: one row on each of 8 of 256 experts,
+gate+up and down at DeepSeek-V3 widths, the other experts' weights zeros), einsum (DeepSeek-V3 linears at 1 and 64
+tokens, UE8M0 codes), einsum1 (a decode step's one-token linears: q_a + kv_a in one product, q_b, kv_a, the shared
+expert's gate+up and down, o_proj), prefill (grouped GEMM at 4096 rows with float32, UE8M0 and per-tensor activation
+scales, einsum 4096 x 7168 x 7168), quantize (the bf16 activation quantizer at 4096 and 16384 x 7168 and the
+SiLU-mul one at 512 and 4096 x 2 x 2048, UE8M0 scales), tiny (small shapes that also run on the CPU, for tests).
 """
 
 from __future__ import annotations
@@ -82,8 +81,8 @@ def _cases(names):
                     out.append((f"{shape} M={m}", gemm, [grouped(key, m, 32, n, k, i) for i in range(2)]))
                 if m != 256:
                     out.append((f"fused M={m}", fused, [grouped(key, m, 32, 4096, 7168, i) for i in range(2)]))
-        elif name == "fused":  # the fused up-projection at each of its f16 tiles (8, 8, 16, 32 tokens)
-            for m in (64, 128, 256, 512):
+        elif name == "fused":  # the fused up-projection at each of its f16 tiles (8, 8, 16, 32, 64 tokens)
+            for m in (64, 128, 256, 512, 1024):
                 out.append((f"fused M={m}", fused, [grouped(key, m, 32, 4096, 7168, i) for i in range(2)]))
         elif name == "batch1":
             for shape, n, k in (("gate_up", 4096, 7168), ("down", 7168, 2048)):

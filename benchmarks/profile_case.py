@@ -14,8 +14,8 @@ Every kernel of a call with its duration (the preparation kernels too: how the f
 Cases: top8_up1 / top8_down1 (a batch-1 decode step's grouped GEMMs at V3 widths: 8 rows, one on each of 8 of
 256 experts; `--tile-tokens` / `--mma` / `--split-k` / `--kernel` force a plan, e.g. `--kernel decode`), decode64 (grouped gate+up, 32 experts, M = 64: the plan's 8-token f16 kernel under stream-K), down64
 (the down projection, N = 7168, K = 2048, same kernel), decode512 / down512 (the same at M = 512: the plan's
-32-token f16 kernel, whole tiles), fused64 / fused512 (ops.w4a8_moe_up on the same gate+up weights: the fused
-8- / 32-token f16 kernels), the einsum cases of EINSUM_CASES (DeepSeek-V3 linears and
+32-token f16 kernel, whole tiles), fused64 / fused512 / fused1024 (ops.w4a8_moe_up on the same gate+up weights: the
+fused 8- / 32- / 64-token f16 kernels), the einsum cases of EINSUM_CASES (DeepSeek-V3 linears and
 MLA / V4 per-head products at one token: the decode kernels, Fp8DecodeKernel or Fp8DecodeStagedKernel, e.g.
 o_proj1, 7168 x 16384; o_proj16 / o_proj32 and kv_a64 / square64: the TMA kernel), square4096 (einsum M = N = K = 7168 /
 4096 tokens: the 192-token kernel), prefill4k_e4m3 / prefill4k_f16 / prefill16k_e4m3 / prefill16k_f16 (grouped
@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from jax_w4a8 import ops, quant, tiling  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
-GROUPED_CASES = ("top8_up1", "top8_down1", "decode64", "down64", "decode512", "down512", "fused64", "fused512", "prefill4k_e4m3", "prefill4k_f16",
+GROUPED_CASES = ("top8_up1", "top8_down1", "decode64", "down64", "decode512", "down512", "fused64", "fused512", "fused1024", "prefill4k_e4m3", "prefill4k_f16",
                  "prefill16k_e4m3", "prefill16k_f16", "down4k_e4m3", "prefill4k_fold", "down4k_fold")
 # einsum cases: (equation, activation shape, weight shape); the decode kernels' (one token) first
 EINSUM_CASES = {
@@ -94,8 +94,8 @@ def build(case, key, tile_tokens=None, mma=None, kernel=None):
         return jax.jit(grouped), _grouped_case(key, 512, 4096, 7168, 0)
     if case == "down512":
         return jax.jit(grouped), _grouped_case(key, 512, 7168, 2048, 0)
-    if case in ("fused64", "fused512"):  # the fused up-projection on the gate+up weights (I = 2048)
-        return jax.jit(ops.w4a8_moe_up), _grouped_case(key, 64 if case == "fused64" else 512, 4096, 7168, 0)
+    if case in ("fused64", "fused512", "fused1024"):  # the fused up-projection on the gate+up weights (I = 2048)
+        return jax.jit(ops.w4a8_moe_up), _grouped_case(key, int(case[5:]), 4096, 7168, 0)
     if case in ("down4k_e4m3", "prefill4k_fold", "down4k_fold"):  # 128-token e4m3 kernel; fold: UE8M0 scales
         f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=128, mma="e4m3")
         x, xs, w, ws, gs = _grouped_case(key, 4096, 4096 if case.startswith("prefill") else 7168,

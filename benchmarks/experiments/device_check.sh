@@ -118,8 +118,8 @@ export -f variant_ncu && export VARIANT
 [[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 300 bash -c variant_ncu
 # 5b. the fused up-projection's epilogue variants (FUSED_VARIANTS, default: fused_epilogue and fused_async_epilogue,
 #     where carried; fifty-first session): each one's fused GPU tests and racecheck / synccheck with its package in
-#     the checkout's place, then the fused kernel's time beside main's (kernel alone, fused512 and fused64). About
-#     400 s on an H100: a call of its own.
+#     the checkout's place, then the fused kernel's time beside main's (kernel alone, fused512, fused1024 and
+#     fused64). About 420 s on an H100: a call of its own.
 fused_variants() {
   local v c pkg
   for v in $FUSED_VARIANTS; do
@@ -131,7 +131,7 @@ fused_variants() {
       tail -n 2
     rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
   done
-  for c in fused512 fused64; do for pkg in "$PWD" $FUSED_VARIANTS; do
+  for c in fused512 fused1024 fused64; do for pkg in "$PWD" $FUSED_VARIANTS; do
     [[ -d $pkg/jax_w4a8/_lib ]] || continue
     echo "## $c ${pkg#$PWD}"
     PYTHONPATH=$pkg kernel_counters 40 "$c"
