@@ -140,6 +140,27 @@ fused_variants() {
 export -f fused_variants
 export FUSED_VARIANTS=${FUSED_VARIANTS:-".carry/variants/fused_epilogue .carry/variants/fused_async_epilogue"}
 step fused_variants 560 bash -c fused_variants
+# 5c. the asynchronous staged epilogue (STORE_VARIANT, default .carry/variants/staged_async_store, where carried;
+#     fifty-first session): the grouped GEMM's GPU tests and racecheck / synccheck with its package in the checkout's
+#     place, then the prefill kernels' times beside main's (kernel alone: the 128-token folding and plain e4m3
+#     kernels, the 128-token f16 one). About 500 s on an H100: a call of its own.
+store_variant() {
+  local c pkg
+  [[ -d $STORE_VARIANT/jax_w4a8/_lib ]] || { echo "no $STORE_VARIANT"; return 0; }
+  rm -rf "$OUT/main_pkg" && cp -r jax_w4a8 "$OUT/main_pkg" && cp -r "$STORE_VARIANT"/jax_w4a8/. jax_w4a8/
+  timeout --foreground 330 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py -m gpu 2>&1 |
+    tail -n 9
+  timeout --foreground 220 python3 -m pytest -q -m gpu tests/test_sanitizer.py -k "racecheck or synccheck" 2>&1 |
+    tail -n 2
+  rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
+  for c in prefill4k_fold down4k_fold prefill4k_f16 down4k_e4m3; do for pkg in "$PWD" "$STORE_VARIANT"; do
+    echo "## $c ${pkg#$PWD}"
+    PYTHONPATH=$pkg kernel_counters 60 "$c"
+  done; done
+}
+export -f store_variant
+export STORE_VARIANT=${STORE_VARIANT:-.carry/variants/staged_async_store}
+step store_variant 590 bash -c store_variant
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
