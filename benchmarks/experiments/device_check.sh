@@ -46,15 +46,26 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noh
 step sanitizer 300 python3 -m pytest -q -m gpu tests/test_sanitizer.py
 # 1b. the einsum's GPU tests on main's build
 step einsum_tests 150 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py -m gpu
+# A package copy's whole package (its Python modules may differ too) in the checkout's place for its tests (python -m
+# pytest puts the checkout ahead of PYTHONPATH), then the checkout's back.
+package_in() { rm -rf "$OUT/main_pkg" && cp -r jax_w4a8 "$OUT/main_pkg" && cp -r "$1"/jax_w4a8/. jax_w4a8/; }
+package_out() { rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8; }
+# variant_checks FOLDER LIMIT_S TEST_FILE...: the copy's GPU tests of those files, then racecheck and synccheck
+variant_checks() {
+  package_in "$1"
+  timeout --foreground "$2" python3 scripts/gpu_tests.py --shards 8 "${@:3}" -m gpu 2>&1 | tail -n 9
+  timeout --foreground 220 python3 -m pytest -q -m gpu tests/test_sanitizer.py -k "racecheck or synccheck" 2>&1 |
+    tail -n 2
+  package_out
+}
+export -f package_in package_out variant_checks
 # 1c. the variant: the grouped GEMM's GPU tests with its modules in, then a same-machine A/B at decode
 if [[ -d $VARIANT/jax_w4a8/_lib ]]; then
-  # the variant's whole package (its Python modules may differ too) in the checkout's place for the tests (python -m
-  # pytest puts the checkout ahead of PYTHONPATH), then the checkout's back
   if wanted variant_tests; then
-    rm -rf "$OUT/main_pkg" && cp -r jax_w4a8 "$OUT/main_pkg" && cp -r "$VARIANT"/jax_w4a8/. jax_w4a8/
+    package_in "$VARIANT"
     step variant_tests 330 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py \
       tests/test_w4a8_moe_up.py -m gpu
-    rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
+    package_out
   fi
 fi
 # AB_VARIANTS: the package copies the A/B times against main, each named by its folder (default: VARIANT)
@@ -125,11 +136,7 @@ fused_variants() {
   for v in $FUSED_VARIANTS; do
     [[ -d $v/jax_w4a8/_lib ]] || continue
     echo "## $(basename "$v"): tests, racecheck, synccheck"
-    rm -rf "$OUT/main_pkg" && cp -r jax_w4a8 "$OUT/main_pkg" && cp -r "$v"/jax_w4a8/. jax_w4a8/
-    timeout --foreground 150 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_moe_up.py -m gpu 2>&1 | tail -n 3
-    timeout --foreground 220 python3 -m pytest -q -m gpu tests/test_sanitizer.py -k "racecheck or synccheck" 2>&1 |
-      tail -n 2
-    rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
+    variant_checks "$v" 150 tests/test_w4a8_moe_up.py
   done
   for c in fused512 fused1024 fused64; do for pkg in "$PWD" $FUSED_VARIANTS; do
     [[ -d $pkg/jax_w4a8/_lib ]] || continue
@@ -147,12 +154,7 @@ step fused_variants 560 bash -c fused_variants
 store_variant() {
   local c pkg
   [[ -d $STORE_VARIANT/jax_w4a8/_lib ]] || { echo "no $STORE_VARIANT"; return 0; }
-  rm -rf "$OUT/main_pkg" && cp -r jax_w4a8 "$OUT/main_pkg" && cp -r "$STORE_VARIANT"/jax_w4a8/. jax_w4a8/
-  timeout --foreground 330 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py -m gpu 2>&1 |
-    tail -n 9
-  timeout --foreground 220 python3 -m pytest -q -m gpu tests/test_sanitizer.py -k "racecheck or synccheck" 2>&1 |
-    tail -n 2
-  rm -rf jax_w4a8 && mv "$OUT/main_pkg" jax_w4a8
+  variant_checks "$STORE_VARIANT" 330 tests/test_w4a8_grouped_gemm.py
   for c in prefill4k_fold down4k_fold prefill4k_f16 down4k_e4m3; do for pkg in "$PWD" "$STORE_VARIANT"; do
     echo "## $c ${pkg#$PWD}"
     PYTHONPATH=$pkg kernel_counters 60 "$c"
