@@ -368,3 +368,39 @@ def test_step_inventory_lists_the_decode_steps_custom_calls():
     per_layer = {t: float(v[2]) for t, v in rows.items()}
     assert per_layer == {"jax_w4a8_fp8_einsum": 7.0, "jax_w4a8_quantize_fp8_groups": 8.0,
                          "jax_w4a8_w4a8_grouped_gemm": 2.0}, per_layer
+
+
+def _load_epilogue_probes():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "fused_epilogue_probes", os.path.join(BENCH, "experiments", "fused_epilogue_probes.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("probe", ["noepi", "nosilu", "nobarrier", "nostore"])
+def test_fused_epilogue_probes_change_only_the_epilogue_of_this_checkout(probe):
+    probes = _load_epilogue_probes()
+    text = pathlib.Path(ROOT, probes.SOURCE).read_text()
+    new = probes.probe_source(text, probe)
+    begin, end = probes._epilogue_span(text)
+    new_end = len(new) - (len(text) - end)
+    assert new[:begin] == text[:begin] and new[new_end:] == text[end:]
+    old_body, new_body = text[begin:end], new[begin:new_end]
+    assert new_body != old_body and f"probe {probe}" in new_body
+    assert new_body.count("{") == new_body.count("}")  # the function still closes where it did
+    if probe == "nobarrier":
+        assert "NamedBarrierSync" in old_body and "NamedBarrierSync" not in new_body
+    if probe == "nostore":
+        assert new_body.count("static_cast<uint8_t*>(p.out)") == 1 and "folded ==" in new_body
+    patch = probes.probe_patch(probe)
+    assert patch.startswith(f"--- a/{probes.SOURCE}\n+++ b/{probes.SOURCE}\n")
+
+
+def test_fused_epilogue_probes_refuse_an_unknown_probe():
+    probes = _load_epilogue_probes()
+    with pytest.raises(ValueError, match="unknown probe"):
+        probes.probe_source(pathlib.Path(ROOT, probes.SOURCE).read_text(), "nothing")
+    result = _run([os.path.join(BENCH, "experiments", "fused_epilogue_probes.py"), "nothing"])
+    assert result.returncode == 2 and "unknown probe(s) nothing" in result.stderr

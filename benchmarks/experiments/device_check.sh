@@ -172,6 +172,22 @@ export -f store_variant
 export STORE_VARIANT=${STORE_VARIANT:-.carry/variants/staged_async_store}
 export STORE_CASES=${STORE_CASES:-"prefill4k_fold down4k_fold prefill4k_f16 down4k_e4m3"}
 step store_variant 590 bash -c store_variant
+# 5d. the fused epilogue's parts (EPI_PROBES, default the four timing-only builds of fused_epilogue_probes.py,
+#     .carry/variants/epi_*, where carried; fifty-second session): the fused kernel's time for main's build and each
+#     probe's (kernel alone, EPI_CASES: fused512 and fused1024). Codes are wrong in the probes: no tests. About
+#     330 s on an H100.
+epi_probes() {
+  local c pkg
+  for c in $EPI_CASES; do for pkg in "$PWD" $EPI_PROBES; do
+    [[ -d $pkg/jax_w4a8/_lib ]] || continue
+    echo "## $c ${pkg#$PWD}"
+    PYTHONPATH=$pkg kernel_counters 40 "$c"
+  done; done
+}
+export -f epi_probes
+export EPI_PROBES=${EPI_PROBES:-".carry/variants/epi_noepi .carry/variants/epi_nosilu .carry/variants/epi_nobarrier .carry/variants/epi_nostore"}
+export EPI_CASES=${EPI_CASES:-"fused512 fused1024"}
+step epi_probes 400 bash -c epi_probes
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
