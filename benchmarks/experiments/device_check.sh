@@ -89,7 +89,7 @@ fi
 #    reasons and issue activity of the grouped GEMM's kernel at 512 rows, per SASS line (ncu_summary.py)
 decode_stalls() {
   local c
-  for c in decode512 down512; do
+  for c in $STALL_CASES; do
     # stall reasons per SASS line, and the DRAM throughput, issue activity and occupancy of the same launch
     ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
@@ -102,7 +102,7 @@ decode_stalls() {
       "$OUT/$c.details.txt"
   done
 }
-export -f decode_stalls && export OUT
+export -f decode_stalls && export OUT STALL_CASES=${STALL_CASES:-"decode512 down512"}  # e.g. fused512 too
 step decode_stalls 270 bash -c decode_stalls
 # 4. the same kernel at other token tiles and MMA formats: kernel time, DRAM and L2 throughput, L2 read sectors
 #    (activation bytes through L2 grow with the tile: f16 rows of 2 bytes per K against 64 int4 bytes per K)
