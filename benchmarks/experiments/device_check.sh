@@ -85,13 +85,17 @@ if [[ -d $BASE/jax_w4a8/_lib ]]; then
   step prefill_ab "$prefill_limit" python3 benchmarks/ab_builds.py main="$BASE" sel=. --cases prefill --rounds 3 \
     --deadline $((prefill_limit - 30))
 fi
+# launch_skip CASE: ncu's --launch-skip for the grouped GEMM kernel of profile_case.py CASE's second call (the
+# folding cases launch the plain kernel after the folding one, and it exits at once)
+launch_skip() { [[ $1 == *_fold ]] && echo 2 || echo 1; }
+export -f launch_skip
 # 3. what sets the f16 decode tiles' pace at 2.3 TB/s (not the integer pipe: NOTEBOOK, forty-second session): stall
 #    reasons and issue activity of the grouped GEMM's kernel at 512 rows, per SASS line (ncu_summary.py)
 decode_stalls() {
   local c
   for c in $STALL_CASES; do
     # stall reasons per SASS line, and the DRAM throughput, issue activity and occupancy of the same launch
-    ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip 1 --launch-count 1 \
+    ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip "$(launch_skip "$c")" --launch-count 1 \
       --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section SourceCounters \
       --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
       -f -o "$OUT/$c" python3 benchmarks/profile_case.py "$c" > /dev/null
@@ -107,10 +111,8 @@ step decode_stalls 270 bash -c decode_stalls
 # 4. the same kernel at other token tiles and MMA formats: kernel time, DRAM and L2 throughput, L2 read sectors
 #    (activation bytes through L2 grow with the tile: f16 rows of 2 bytes per K against 64 int4 bytes per K)
 kernel_counters() {  # kernel_counters LIMIT_S CASE [profile_case.py options]: one launch of the grouped GEMM kernel
-  # (of the second call; the folding cases launch the plain kernel after it, which exits at once)
-  local skip=1
-  [[ $2 == *_fold ]] && skip=2
-  timeout --foreground "$1" ncu --clock-control none --kernel-name regex:HopperGemmKernel --launch-skip $skip --launch-count 1 \
+  timeout --foreground "$1" ncu --clock-control none --kernel-name regex:HopperGemmKernel \
+    --launch-skip "$(launch_skip "$2")" --launch-count 1 \
     --metrics gpu__time_duration.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed,lts__t_sectors_srcunit_tex_op_read.sum,dram__bytes_read.sum,sm__inst_executed.avg.per_cycle_active \
     python3 benchmarks/profile_case.py "${@:2}" 2>&1 | grep -E "HopperGemmKernel<|__"
 }
@@ -133,10 +135,10 @@ variant_ncu() {
 }
 export -f variant_ncu && export VARIANT
 [[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 300 bash -c variant_ncu
-# 5b. the fused up-projection's epilogue variants (FUSED_VARIANTS, default: fused_epilogue and fused_async_epilogue,
-#     where carried; fifty-first session): each one's fused GPU tests and racecheck / synccheck with its package in
-#     the checkout's place, then the fused kernel's time beside main's (kernel alone, fused512, fused1024 and
-#     fused64). About 420 s on an H100: a call of its own.
+# 5b. the fused up-projection's epilogue variants (FUSED_VARIANTS, default: scalebits, where carried; fifty-first
+#     and fifty-second sessions): each one's fused GPU tests and racecheck / synccheck with its package in the
+#     checkout's place, then the fused kernel's time beside main's (kernel alone, fused512, fused1024 and fused64).
+#     About 300 s on an H100 for one variant: a call of its own.
 fused_variants() {
   local v c pkg
   for v in $FUSED_VARIANTS; do
@@ -151,7 +153,7 @@ fused_variants() {
   done; done
 }
 export -f fused_variants
-export FUSED_VARIANTS=${FUSED_VARIANTS:-".carry/variants/fused_epilogue .carry/variants/fused_async_epilogue"}
+export FUSED_VARIANTS=${FUSED_VARIANTS:-".carry/variants/scalebits"}
 step fused_variants 560 bash -c fused_variants
 # 5c. the asynchronous staged epilogue (STORE_VARIANT, default .carry/variants/staged_async_store, where carried;
 #     fifty-first session): the grouped GEMM's GPU tests and racecheck / synccheck with its package in the checkout's
@@ -185,7 +187,8 @@ epi_probes() {
   done; done
 }
 export -f epi_probes
-export EPI_PROBES=${EPI_PROBES:-".carry/variants/epi_noepi .carry/variants/epi_nosilu .carry/variants/epi_nobarrier .carry/variants/epi_nostore"}
+export EPI_PROBES=${EPI_PROBES:-".carry/variants/epi_noepi .carry/variants/epi_nosilu .carry/variants/epi_nobarrier
+  .carry/variants/epi_nostore"}
 export EPI_CASES=${EPI_CASES:-"fused512 fused1024"}
 step epi_probes 400 bash -c epi_probes
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
@@ -197,7 +200,7 @@ l1_survey() {
   for c in $L1_CASES; do
     echo "## $c"
     PYTHONPATH=$PWD/${L1_BUILD:-.} timeout --foreground 50 ncu --clock-control none \
-      --kernel-name regex:"HopperGemmKernel|Fp8Decode" --launch-skip 1 --launch-count 1 \
+      --kernel-name regex:"HopperGemmKernel|Fp8Decode" --launch-skip "$(launch_skip "$c")" --launch-count 1 \
       --metrics gpu__time_duration.sum,l1tex__t_sector_hit_rate.pct,l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum,l1tex__t_sectors_pipe_lsu_mem_global_op_ld_lookup_miss.sum,launch__shared_mem_config_size,lts__t_sectors_srcunit_tex_op_read.sum \
       python3 benchmarks/profile_case.py "$c" 2>&1 | grep -E "Kernel<|Kernel\(|__"
   done

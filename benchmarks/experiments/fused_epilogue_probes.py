@@ -1,8 +1,8 @@
 """Timing-only builds of the fused up-projection's epilogue (`FusedUpEpilogue` in ffi/cuda/hopper_gemm.cu), each
 without one of its parts, to tell which part holds the fused kernel behind the plain gate+up GEMM (fifty-second
 session, H100 `ncu`, kernel alone, M = 512 over 32 experts: fused 192.8 us, the same kernel without any epilogue
-173.3 in the fifty-first session, the plain gate+up GEMM 183). Their codes are wrong (all but `nosilu` and `noepi`
-still store some); never land one.
+173.3 in the fifty-first session, the plain gate+up GEMM 183). Their codes are wrong (`noepi` and `nostore` store
+none); never land one.
 
     python benchmarks/experiments/fused_epilogue_probes.py PROBE > benchmarks/experiments/epi_PROBE.patch
 
@@ -15,7 +15,7 @@ Probes:
   noepi      return at the top: no epilogue at all (the fifty-first session's 173.3 us, to calibrate the machine)
   nosilu     h = gate * up (no exp, no division)
   nobarrier  each warp's own token maxima set the scales (no shared-memory reduction, no barriers between the
-             two consumer warpgroups; scale by a multiply)
+             two consumer warpgroups; the scale by a multiply, its reciprocal from its bits: no division)
   nostore    every code computed, folded into one value and stored only if it equals a constant that never comes
              (no per-element byte stores to global memory)
 """
@@ -66,7 +66,7 @@ def probe_source(text, probe):
         body = body[:a] + (
             "      // probe nobarrier: this warp's maxima alone set the scale\n"
             "      const float s = CeilToUe8m0(fmaxf(m, 1e-4f) * (1.0f / 448.0f));\n"
-            "      scale[j] = __frcp_rn(s);\n"
+            "      scale[j] = __uint_as_float((254u - (__float_as_uint(s) >> 23)) << 23);\n"
             "      const int64_t tok = t.m0 + 8 * (j / 2) + 2 * lane + (j % 2);\n"
             "      if (cw == 0 && warp == 0 && lane < 4 && tok < t.m_end)\n"
             "        p.h_scale[tok * (p.f / kFeatTile) + t.f0 / kFeatTile] = s;\n"

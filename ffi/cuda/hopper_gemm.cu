@@ -482,15 +482,16 @@ __device__ __forceinline__ void WgmmaRs(float (&d)[kTok / 2], const uint32_t (&a
 // projection, per tensor (static scale) or per token over this unit's 128 channels (UE8M0 scale,
 // rounded up *before* quantizing). Both consumer warpgroups (256 threads) take part.
 // - silu(g) = g / (1 + exp(-g)) with the approximate division (__fdividef: within 2 ulp of the IEEE quotient; an
-//   e4m3 code moves only where h lies within 2^-22 of a rounding boundary). Each IEEE division was a branchy
-//   sequence (reciprocal, Newton steps, a check and a called slow path) that ptxas kept in order, one element
-//   after another, while the block's MMAs waited for the epilogue. exp's argument is capped at 80, so that
-//   1 + exp(-g) stays below 2^126, where __fdividef returns 0 (silu(g) for g < -80 is then g / (1 + e^80), as
-//   near 0 as the exact value for any output).
+//   e4m3 code moves only where h lies within a relative 2^-22 of a rounding boundary). Each IEEE division was a
+//   branchy sequence (reciprocal, Newton steps, a check and a called slow path) that ptxas kept in order, one
+//   element after another, while the block's MMAs waited for the epilogue. exp's argument is capped at 80, so
+//   that 1 + exp(-g) stays below 2^126, where __fdividef returns 0. For g < -80, silu(g) is then g / (1 + e^80)
+//   (1.8e-35 g) where the IEEE form gave about 0: a code differs only where |g up| exceeds about 1e25 in a token
+//   whose other values are that small too.
 // - A UE8M0 scale is a power of two, so h * (1 / scale) is h / scale exactly (as in the quantizer's EncodeEight).
 // - Each token's UE8M0 scale is formed once, by one thread (the maximum over the 8 warps' partial maxima, the
-//   division by 448, the rounding up): all 32 lanes of each of the 8 warps did it for their tokens, 8 divisions
-//   and 64 shared loads per thread, in order.
+//   division by 448, the rounding up): all 32 lanes of each of the 8 warps did it for their tokens, kTok / 4
+//   divisions and 2 kTok shared loads per thread, in order.
 // H100, ncu, kernel alone, gate+up over 32 experts at M = 512 / 1024 / 64 rows (the 32- / 64- / 8-token kernels),
 // us (fifty-second session): 204.6 -> 192.8 / 269.8 -> 246.2 / 169.8 -> 167.6. Without any epilogue (a
 // timing-only build, fifty-first session) the kernel took 173.3 at M = 512 where the IEEE form took 198.2.
@@ -531,8 +532,8 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
       const int64_t tok = t.m0 + ct;
       if (tok < t.m_end) p.h_scale[tok * (p.f / kFeatTile) + t.f0 / kFeatTile] = s;
     }
-    // red and tok_inv are rewritten by the next unit after its first barrier, which every thread reaches after
-    // its reads below
+    // tok_inv is rewritten by the next unit after its first barrier, which every thread reaches after its reads
+    // below; red, before that barrier, but its reads above ended at this one
     sm90::NamedBarrierSync(3, 256);
 #pragma unroll
     for (int j = 0; j < kTok / 4; ++j) scale[j] = tok_inv[8 * (j / 2) + 2 * (lane % 4) + (j % 2)];
