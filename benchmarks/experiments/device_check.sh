@@ -174,6 +174,22 @@ export -f store_variant
 export STORE_VARIANT=${STORE_VARIANT:-.carry/variants/staged_async_store}
 export STORE_CASES=${STORE_CASES:-"prefill4k_fold down4k_fold prefill4k_f16 down4k_e4m3"}
 step store_variant 590 bash -c store_variant
+# 5c'. fused_async_epilogue.patch's racecheck failure (fifty-second session): racecheck / synccheck of its build and of
+#     the same with bar.sync in place of its two bar.arrive (.carry/variants/async_syncs: the consumers wait at
+#     barrier 5 and the epilogue warps at barrier 6, stronger ordering, same protocol), whole reports in
+#     $OUT/sanitizer_NAME.log. Clean with syncs and not with arrives: racecheck does not order a bar.arrive's earlier
+#     accesses before the waiting side's later ones (a false report); failing both: a real race. About 160 s.
+async_race() {
+  local v
+  for v in .carry/variants/fused_async_epilogue .carry/variants/async_syncs; do
+    [[ -d $v/jax_w4a8/_lib ]] || continue
+    echo "## $(basename "$v")"
+    variant_checks "$v" 0
+    grep -m 12 -E "Race reported|Error|Write access|Read access|at .*hopper_gemm" "$OUT/sanitizer_$(basename "$v").log"
+  done
+}
+export -f async_race
+step async_race 300 bash -c async_race
 # 5d. the fused epilogue's parts (EPI_PROBES, default the four timing-only builds of fused_epilogue_probes.py,
 #     .carry/variants/epi_*, where carried; fifty-second session): the fused kernel's time for main's build and each
 #     probe's (kernel alone, EPI_CASES: fused512 and fused1024). Codes are wrong in the probes: no tests. About
