@@ -191,9 +191,9 @@ async_race() {
 export -f async_race
 step async_race 300 bash -c async_race
 # 5d. the fused epilogue's parts (EPI_PROBES, default the four timing-only builds of fused_epilogue_probes.py,
-#     .carry/variants/epi_*, where carried; fifty-second session): the fused kernel's time for main's build and each
-#     probe's (kernel alone, EPI_CASES: fused512 and fused1024). Codes are wrong in the probes: no tests. About
-#     330 s on an H100.
+#     .carry/variants/epi_*, and fused_one_barrier.patch's onebar, where carried; fifty-second session): the fused
+#     kernel's time for main's build and each one's (kernel alone, EPI_CASES: fused512 and fused1024). Codes are
+#     wrong in the probes: no tests here. About 390 s on an H100.
 epi_probes() {
   local c pkg
   for c in $EPI_CASES; do for pkg in "$PWD" $EPI_PROBES; do
@@ -204,9 +204,9 @@ epi_probes() {
 }
 export -f epi_probes
 export EPI_PROBES=${EPI_PROBES:-".carry/variants/epi_noepi .carry/variants/epi_nosilu .carry/variants/epi_nobarrier
-  .carry/variants/epi_nostore"}
+  .carry/variants/epi_nostore .carry/variants/onebar"}
 export EPI_CASES=${EPI_CASES:-"fused512 fused1024"}
-step epi_probes 400 bash -c epi_probes
+step epi_probes 450 bash -c epi_probes
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
