@@ -96,13 +96,18 @@ def _build_folder(tmp_path):
     return str(dst)
 
 
-def _ab_module():
+def _bench_module(relpath):
+    """A script under benchmarks/ (relpath, e.g. "experiments/fused_epilogue_probes.py") imported as a module."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("ab_builds", os.path.join(BENCH, "ab_builds.py"))
+    spec = importlib.util.spec_from_file_location(pathlib.Path(relpath).stem, os.path.join(BENCH, relpath))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _ab_module():
+    return _bench_module("ab_builds.py")
 
 
 def test_ab_builds_times_a_case_of_two_sets_once(monkeypatch):
@@ -370,18 +375,9 @@ def test_step_inventory_lists_the_decode_steps_custom_calls():
                          "jax_w4a8_w4a8_grouped_gemm": 2.0}, per_layer
 
 
-def _load_epilogue_probes():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "fused_epilogue_probes", os.path.join(BENCH, "experiments", "fused_epilogue_probes.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("probe", ["noepi", "nosilu", "nobarrier", "nostore"])
 def test_fused_epilogue_probes_change_only_the_epilogue_of_this_checkout(probe):
-    probes = _load_epilogue_probes()
+    probes = _bench_module("experiments/fused_epilogue_probes.py")
     text = pathlib.Path(ROOT, probes.SOURCE).read_text()
     new = probes.probe_source(text, probe)
     begin, end = probes._epilogue_span(text)
@@ -399,7 +395,7 @@ def test_fused_epilogue_probes_change_only_the_epilogue_of_this_checkout(probe):
 
 
 def test_fused_epilogue_probes_refuse_an_unknown_probe():
-    probes = _load_epilogue_probes()
+    probes = _bench_module("experiments/fused_epilogue_probes.py")
     with pytest.raises(ValueError, match="unknown probe"):
         probes.probe_source(pathlib.Path(ROOT, probes.SOURCE).read_text(), "nothing")
     result = _run([os.path.join(BENCH, "experiments", "fused_epilogue_probes.py"), "nothing"])

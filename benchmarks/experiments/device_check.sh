@@ -126,31 +126,31 @@ decode_tiles() {
 export -f kernel_counters decode_tiles && export TILE_CASES=${TILE_CASES:-decode512 down512}  # the cases it profiles
 step decode_tiles 200 bash -c decode_tiles
 # 5. the same counters for main's build and the variant's, at the plan's tile
-variant_ncu() {
+# time_builds LIMIT_S "CASES" PACKAGE...: kernel_counters of each case for each package copy that is there (main's
+# is $PWD), cases outermost
+time_builds() {
   local c pkg
-  for c in $TILE_CASES; do for pkg in "$PWD" "$PWD/$VARIANT"; do
+  for c in $2; do for pkg in "${@:3}"; do
+    [[ -d $pkg/jax_w4a8/_lib ]] || continue
     echo "## $c ${pkg#$PWD}"
-    PYTHONPATH=$pkg kernel_counters 90 "$c"
+    PYTHONPATH=$pkg kernel_counters "$1" "$c"
   done; done
 }
-export -f variant_ncu && export VARIANT
+variant_ncu() { time_builds 90 "$TILE_CASES" "$PWD" "$PWD/$VARIANT"; }
+export -f time_builds variant_ncu && export VARIANT
 [[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 300 bash -c variant_ncu
 # 5b. the fused up-projection's epilogue variants (FUSED_VARIANTS, default: scalebits, where carried; fifty-first
 #     and fifty-second sessions): each one's fused GPU tests and racecheck / synccheck with its package in the
 #     checkout's place, then the fused kernel's time beside main's (kernel alone, fused512, fused1024 and fused64).
 #     About 300 s on an H100 for one variant: a call of its own.
 fused_variants() {
-  local v c pkg
+  local v
   for v in $FUSED_VARIANTS; do
     [[ -d $v/jax_w4a8/_lib ]] || continue
     echo "## $(basename "$v"): tests, racecheck, synccheck"
     variant_checks "$v" 150 tests/test_w4a8_moe_up.py
   done
-  for c in fused512 fused1024 fused64; do for pkg in "$PWD" $FUSED_VARIANTS; do
-    [[ -d $pkg/jax_w4a8/_lib ]] || continue
-    echo "## $c ${pkg#$PWD}"
-    PYTHONPATH=$pkg kernel_counters 40 "$c"
-  done; done
+  time_builds 40 "fused512 fused1024 fused64" "$PWD" $FUSED_VARIANTS
 }
 export -f fused_variants
 export FUSED_VARIANTS=${FUSED_VARIANTS:-".carry/variants/scalebits"}
@@ -162,12 +162,8 @@ step fused_variants 560 bash -c fused_variants
 #     synccheck of this variant over 220): in two calls, e.g. STORE_TESTS_LIMIT=0 skips the tests (fifty-second
 #     session: 583 passed or skipped).
 store_variant() {
-  local c pkg
   [[ -d $STORE_VARIANT/jax_w4a8/_lib ]] || { echo "no $STORE_VARIANT"; return 0; }
-  for c in $STORE_CASES; do for pkg in "$PWD" "$STORE_VARIANT"; do
-    echo "## $c ${pkg#$PWD}"
-    PYTHONPATH=$pkg kernel_counters 60 "$c"
-  done; done
+  time_builds 60 "$STORE_CASES" "$PWD" "$STORE_VARIANT"
   variant_checks "$STORE_VARIANT" ${STORE_TESTS_LIMIT:-330} tests/test_w4a8_grouped_gemm.py
 }
 export -f store_variant
@@ -194,14 +190,7 @@ step async_race 300 bash -c async_race
 #     .carry/variants/epi_*, and fused_one_barrier.patch's onebar, where carried; fifty-second session): the fused
 #     kernel's time for main's build and each one's (kernel alone, EPI_CASES: fused512 and fused1024). Codes are
 #     wrong in the probes: no tests here. About 390 s on an H100.
-epi_probes() {
-  local c pkg
-  for c in $EPI_CASES; do for pkg in "$PWD" $EPI_PROBES; do
-    [[ -d $pkg/jax_w4a8/_lib ]] || continue
-    echo "## $c ${pkg#$PWD}"
-    PYTHONPATH=$pkg kernel_counters 40 "$c"
-  done; done
-}
+epi_probes() { time_builds 40 "$EPI_CASES" "$PWD" $EPI_PROBES; }
 export -f epi_probes
 export EPI_PROBES=${EPI_PROBES:-".carry/variants/epi_noepi .carry/variants/epi_nosilu .carry/variants/epi_nobarrier
   .carry/variants/epi_nostore .carry/variants/onebar"}
