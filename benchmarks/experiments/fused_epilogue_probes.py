@@ -1,8 +1,9 @@
 """Timing-only builds of the fused up-projection's epilogue (`FusedUpEpilogue` in ffi/cuda/hopper_gemm.cu), each
-without one of its parts, to tell which part holds the fused kernel behind the plain gate+up GEMM (fifty-second
-session, H100 `ncu`, kernel alone, M = 512 over 32 experts: fused 192.8 us, the same kernel without any epilogue
-173.3 in the fifty-first session, the plain gate+up GEMM 183). Their codes are wrong (`noepi` and `nostore` store
-none); never land one.
+without one of its parts, to tell which part holds the fused kernel behind the plain gate+up GEMM (H100 `ncu`,
+kernel alone, M = 512 over 32 experts: fused 192-195 us, the plain gate+up GEMM 183). Fifty-third session, H100:
+without SiLU 192.2, without barriers 195.5, without stores 192.8, main 194-196; the first `noepi` (a bare return)
+took 167.4 because the compiler dropped its MMAs as dead code, so it now keeps the accumulators live. Their codes
+are wrong (`noepi` and `nostore` store none); never land one.
 
     python benchmarks/experiments/fused_epilogue_probes.py PROBE > benchmarks/experiments/epi_PROBE.patch
 
@@ -12,7 +13,8 @@ CMAKE, PYTHON, BUILD) and removes the patch. Then on the GPU machine: `STEPS=epi
 benchmarks/experiments/device_check.sh` (ncu of fused512 and fused1024 for main's build and each probe's).
 
 Probes:
-  noepi      return at the top: no epilogue at all (the fifty-first session's 173.3 us, to calibrate the machine)
+  noepi      no epilogue: the accumulators folded into one value, stored only if it equals a constant that never
+             comes (the main loop alone)
   nosilu     h = gate * up (no exp, no division)
   nobarrier  each warp's own token maxima set the scales (no shared-memory reduction, no barriers between the
              two consumer warpgroups; the scale by a multiply, its reciprocal from its bits: no division)
@@ -31,7 +33,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = "ffi/cuda/hopper_gemm.cu"
 PROBES = ("noepi", "nosilu", "nobarrier", "nostore")
 
-_SILU = "    h[i] = __fdividef(gate[i], 1.0f + expf(fminf(-gate[i], 80.0f))) * up[i];\n"
+_SILU = "    h[i] = __fdividef(gate[i], 1.0f + expf(fminf(-gate[i], 88.0f))) * up[i];\n"
 _HEAD = "  float h[kTok / 2];\n#pragma unroll\n  for (int i = 0; i < kTok / 2; ++i)\n" + _SILU
 _REDUCE_BEGIN = "      if (lane < 4) red[(cw * 4 + warp) * kTok + 8 * (j / 2) + 2 * lane + (j % 2)] = m;\n"
 _REDUCE_END = "    for (int j = 0; j < kTok / 4; ++j) scale[j] = tok_inv[8 * (j / 2) + 2 * (lane % 4) + (j % 2)];\n"
@@ -57,7 +59,13 @@ def probe_source(text, probe):
         return body.replace(old, new)
 
     if probe == "noepi":
-        body = swap(_HEAD, "  return;  // probe noepi\n" + _HEAD)
+        # The accumulators stay live (folded into one value, stored only if it equals a constant that never comes):
+        # a bare return let the compiler drop the MMAs (3 of 48 HGMMA left in the 32-token kernel, fifty-third
+        # session), so the fifty-first and fifty-second sessions' "no epilogue" builds only streamed the weights.
+        body = swap(_HEAD, "  {  // probe noepi\n    float folded = 0.0f;\n#pragma unroll\n"
+                           "    for (int i = 0; i < kTok / 2; ++i) folded += gate[i] * up[i];\n"
+                           "    if (folded == 1.2345e30f) static_cast<uint8_t*>(p.out)[t.m0 * p.f + t.f0] = 1;\n"
+                           "    return;\n  }\n" + _HEAD)
     elif probe == "nosilu":
         body = swap(_SILU, "    h[i] = gate[i] * up[i];  // probe nosilu\n")
     elif probe == "nobarrier":

@@ -94,6 +94,26 @@ W4A8_HD float CeilToUe8m0(float x) {
   return BitsToFloat(e << 23);
 }
 
+// The UE8M0 scale of a group whose largest magnitude is amax (amax >= 2^-117, or +inf; the kernels floor it at
+// 1e-4) for e4m3 codes: CeilToUe8m0(amax / 448) with the quotient rounded as IEEE division rounds it, exactly,
+// from amax's bits alone (an IEEE division is a branchy instruction sequence on the GPU). The smallest 2^k with
+// 448 2^k >= amax: 448 = 1.75 * 2^8, so for amax = 1.m * 2^E that is 2^(E - 8) where 1.m <= 1.75, else 2^(E - 7).
+// The rounded quotient agrees: where amax exceeds 448 2^k, it does by at least one ulp of amax, 2^-23 / 1.75 of
+// it, more than the half ulp (2^-24) that would round amax / 448 down onto 2^k. +inf gives 2^127, as
+// CeilToUe8m0(inf) does. Checked against the division for every float from 1e-4 up (tests/test_ffi_formats.py).
+W4A8_HD float Ue8m0ScaleForE4m3(float amax) {
+  const uint32_t b = FloatToBits(amax);
+  const uint32_t exp = b >> 23;
+  const uint32_t e = exp == 255 ? 254 : exp - 8 + ((b & 0x7FFFFF) > 0x600000);
+  return BitsToFloat(e << 23);
+}
+
+// 1 / s for a UE8M0 value s = 2^(e - 127), e in 1..254, exactly (2^-127 is subnormal: one mantissa bit).
+W4A8_HD float Ue8m0Reciprocal(float s) {
+  const uint32_t e = FloatToBits(s) >> 23;
+  return BitsToFloat(e < 254 ? (254 - e) << 23 : 1u << 22);
+}
+
 // The masked exponent byte of a float32 that IsUe8m0Exact accepted.
 W4A8_HD uint8_t Ue8m0Code(uint32_t bits) { return static_cast<uint8_t>((bits >> 23) & 0xFF); }
 

@@ -484,24 +484,28 @@ __device__ __forceinline__ void WgmmaRs(float (&d)[kTok / 2], const uint32_t (&a
 // - silu(g) = g / (1 + exp(-g)) with the approximate division (__fdividef: within 2 ulp of the IEEE quotient; an
 //   e4m3 code moves only where h lies within a relative 2^-22 of a rounding boundary). Each IEEE division was a
 //   branchy sequence (reciprocal, Newton steps, a check and a called slow path) that ptxas kept in order, one
-//   element after another, while the block's MMAs waited for the epilogue. exp's argument is capped at 80, so
-//   that 1 + exp(-g) stays below 2^126, where __fdividef returns 0. For g < -80, silu(g) is then g / (1 + e^80)
-//   (1.8e-35 g) where the IEEE form gave about 0: a code differs only where |g up| exceeds about 1e25 in a token
-//   whose other values are that small too.
+//   element after another, while the block's MMAs waited for the epilogue. exp's argument is capped at 88, so
+//   that 1 + exp(-g) stays finite (e^88 = 1.65e38): from g = -87.3 it lies between 2^126 and 2^128, where
+//   __fdividef returns 0 where the IEEE quotient is at most 1.1e-36 in magnitude (silu(-87.34)).
 // - A UE8M0 scale is a power of two, so h * (1 / scale) is h / scale exactly (as in the quantizer's EncodeEight).
 // - Each token's UE8M0 scale is formed once, by one thread (the maximum over the 8 warps' partial maxima, the
 //   division by 448, the rounding up): all 32 lanes of each of the 8 warps did it for their tokens, kTok / 4
-//   divisions and 2 kTok shared loads per thread, in order.
+//   divisions and 2 kTok shared loads per thread, in order. The scale and its reciprocal come from the maximum's
+//   bits (Ue8m0ScaleForE4m3, Ue8m0Reciprocal: exactly what the divisions gave), so no division runs between the
+//   epilogue's two barriers, where all 256 threads wait for the kTok that form the scales.
 // H100, ncu, kernel alone, gate+up over 32 experts at M = 512 / 1024 / 64 rows (the 32- / 64- / 8-token kernels),
-// us (fifty-second session): 204.6 -> 192.8 / 269.8 -> 246.2 / 169.8 -> 167.6. Without any epilogue (a
-// timing-only build, fifty-first session) the kernel took 173.3 at M = 512 where the IEEE form took 198.2.
+// us (fifty-second session): 204.6 -> 192.8 / 269.8 -> 246.2 / 169.8 -> 167.6; the scale from the bits,
+// fifty-third: 194.9 -> 191.9 / 248.0 -> 248.2 / 168.5 -> 168.0. Timing-only builds without one part each
+// (benchmarks/experiments/fused_epilogue_probes.py: no SiLU, no barriers, no stores) took 192-196 at M = 512, so
+// no one part holds the kernel behind the plain gate+up GEMM (183); a build that returns before the epilogue
+// loses its MMAs as dead code (3 of 48 HGMMA left) and only streams the weights: 167.
 template <int kTok>
 __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const float (&gate)[kTok / 2],
                                 const float (&up)[kTok / 2], float* red, int cw, int warp, int lane, int64_t row0) {
   float h[kTok / 2];
 #pragma unroll
   for (int i = 0; i < kTok / 2; ++i)
-    h[i] = __fdividef(gate[i], 1.0f + expf(fminf(-gate[i], 80.0f))) * up[i];
+    h[i] = __fdividef(gate[i], 1.0f + expf(fminf(-gate[i], 88.0f))) * up[i];
   float scale[kTok / 4];  // per token (i / 4, i % 2) of this thread: the static scale, or the UE8M0 one's reciprocal
   const bool dynamic = p.down_scale == nullptr;
   if (!dynamic) {
@@ -527,8 +531,8 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
       float m = 0.0f;
 #pragma unroll
       for (int w = 0; w < 8; ++w) m = fmaxf(m, red[w * kTok + ct]);
-      const float s = CeilToUe8m0(__fdiv_rn(fmaxf(m, 1e-4f), 448.0f));
-      tok_inv[ct] = __frcp_rn(s);
+      const float s = Ue8m0ScaleForE4m3(fmaxf(m, 1e-4f));  // CeilToUe8m0(max / 448), exact, no division
+      tok_inv[ct] = Ue8m0Reciprocal(s);
       const int64_t tok = t.m0 + ct;
       if (tok < t.m_end) p.h_scale[tok * (p.f / kFeatTile) + t.f0 / kFeatTile] = s;
     }
