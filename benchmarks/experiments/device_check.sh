@@ -139,10 +139,10 @@ time_builds() {
 variant_ncu() { time_builds 90 "$TILE_CASES" "$PWD" "$PWD/$VARIANT"; }
 export -f time_builds variant_ncu && export VARIANT
 [[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 300 bash -c variant_ncu
-# 5b. the fused up-projection's epilogue variants (FUSED_VARIANTS, default: scalebits, where carried; fifty-first
-#     and fifty-second sessions): each one's fused GPU tests and racecheck / synccheck with its package in the
-#     checkout's place, then the fused kernel's time beside main's (kernel alone, fused512, fused1024 and fused64).
-#     About 300 s on an H100 for one variant: a call of its own.
+# 5b. fused up-projection variants (FUSED_VARIANTS: package copies, none by default; fifty-first to fifty-third
+#     sessions): each one's fused GPU tests and racecheck / synccheck with its package in the checkout's place,
+#     then the fused kernel's time beside main's (kernel alone, fused512, fused1024 and fused64). About 300 s on
+#     an H100 for one variant: a call of its own.
 fused_variants() {
   local v
   for v in $FUSED_VARIANTS; do
@@ -152,49 +152,16 @@ fused_variants() {
   done
   time_builds 40 "fused512 fused1024 fused64" "$PWD" $FUSED_VARIANTS
 }
-export -f fused_variants
-export FUSED_VARIANTS=${FUSED_VARIANTS:-".carry/variants/scalebits"}
-step fused_variants 560 bash -c fused_variants
-# 5c. the asynchronous staged epilogue (STORE_VARIANT, default .carry/variants/staged_async_store, where carried;
-#     fifty-first session): the grouped GEMM's GPU tests and racecheck / synccheck with its package in the checkout's
-#     place, after the prefill kernels' times beside main's (kernel alone: the 128-token folding and plain e4m3
-#     kernels, the 128-token f16 one; STORE_CASES). Over 560 s on an H100 (the tests about 200 s, racecheck /
-#     synccheck of this variant over 220): in two calls, e.g. STORE_TESTS_LIMIT=0 skips the tests (fifty-second
-#     session: 583 passed or skipped).
-store_variant() {
-  [[ -d $STORE_VARIANT/jax_w4a8/_lib ]] || { echo "no $STORE_VARIANT"; return 0; }
-  time_builds 60 "$STORE_CASES" "$PWD" "$STORE_VARIANT"
-  variant_checks "$STORE_VARIANT" ${STORE_TESTS_LIMIT:-330} tests/test_w4a8_grouped_gemm.py
-}
-export -f store_variant
-export STORE_VARIANT=${STORE_VARIANT:-.carry/variants/staged_async_store}
-export STORE_CASES=${STORE_CASES:-"prefill4k_fold down4k_fold prefill4k_f16 down4k_e4m3"}
-step store_variant 590 bash -c store_variant
-# 5c'. fused_async_epilogue.patch's racecheck failure (fifty-second session): racecheck / synccheck of its build and of
-#     the same with bar.sync in place of its two bar.arrive (.carry/variants/async_syncs: the consumers wait at
-#     barrier 5 and the epilogue warps at barrier 6, stronger ordering, same protocol), whole reports in
-#     $OUT/sanitizer_NAME.log. Clean with syncs and not with arrives: racecheck does not order a bar.arrive's earlier
-#     accesses before the waiting side's later ones (a false report); failing both: a real race. About 160 s.
-async_race() {
-  local v
-  for v in .carry/variants/fused_async_epilogue .carry/variants/async_syncs; do
-    [[ -d $v/jax_w4a8/_lib ]] || continue
-    echo "## $(basename "$v")"
-    variant_checks "$v" 0
-    grep -m 12 -E "Race reported|Error|Write access|Read access|at .*hopper_gemm" "$OUT/sanitizer_$(basename "$v").log"
-  done
-}
-export -f async_race
-step async_race 300 bash -c async_race
-# 5d. the fused epilogue's parts (EPI_PROBES, default the four timing-only builds of fused_epilogue_probes.py,
-#     .carry/variants/epi_*, and fused_one_barrier.patch's onebar, where carried; fifty-second session): the fused
-#     kernel's time for main's build and each one's (kernel alone, EPI_CASES: fused512 and fused1024). Codes are
-#     wrong in the probes: no tests here. About 390 s on an H100.
+export -f fused_variants && export FUSED_VARIANTS=${FUSED_VARIANTS:-}
+[[ -n $FUSED_VARIANTS ]] && step fused_variants 560 bash -c fused_variants
+# 5c. timing-only builds (EPI_PROBES, default fused_epilogue_probes.py's noepi, .carry/variants/epi_noepi, where
+#     carried): each one's time beside main's (kernel alone, EPI_CASES: the fused kernel and the plain gate+up GEMM
+#     at M = 512). Codes are wrong in the probes: no tests here. About 40 s per build and case on an H100.
+#     Fifty-third session (H100, fused512): without SiLU, barriers or stores each 192-196 us, main 194-196.
 epi_probes() { time_builds 40 "$EPI_CASES" "$PWD" $EPI_PROBES; }
 export -f epi_probes
-export EPI_PROBES=${EPI_PROBES:-".carry/variants/epi_noepi .carry/variants/epi_nosilu .carry/variants/epi_nobarrier
-  .carry/variants/epi_nostore .carry/variants/onebar"}
-export EPI_CASES=${EPI_CASES:-"fused512 fused1024"}
+export EPI_PROBES=${EPI_PROBES:-.carry/variants/epi_noepi}
+export EPI_CASES=${EPI_CASES:-"fused512 decode512"}
 step epi_probes 450 bash -c epi_probes
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
