@@ -56,6 +56,27 @@ def sanitizer_verdict(tool, output):
     return None
 
 
+_NOT_A_REPORT = ("COMPUTE-SANITIZER", "SUMMARY", "Target application returned", "Host Frame", "Saved host backtrace",
+                 "errors were not printed")
+
+
+def first_reports(output, count=4):
+    """The first ``count`` reports of compute-sanitizer's output (a hazard, an invalid access, a barrier error: the
+    line that opens it and its indented lines), without their host backtraces, which fill the output's tail."""
+    reports = []
+    for line in output.splitlines():
+        if not line.startswith("=========") or any(word in line for word in _NOT_A_REPORT):
+            continue
+        body = line[len("========="):]
+        if body.startswith(" ") and body.strip() and not body.startswith("  "):  # a report's first line
+            if len(reports) == count:
+                break
+            reports.append([line])
+        elif reports and body.startswith("  ") and body.strip():
+            reports[-1].append(line)
+    return "\n".join("\n".join(r) for r in reports)
+
+
 def compilation_cache_env(cache_dir):
     """Environment that makes JAX keep every compiled executable in ``cache_dir`` and load it from there."""
     return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
@@ -111,6 +132,41 @@ def test_verdict_rejects_a_stopped_sanitizer_hazards_errors_and_missing_summarie
     assert sanitizer_verdict("memcheck", wrong) == "the sanitizer case did not finish with correct results"
 
 
+# The shape of racecheck's hazard reports and synccheck's barrier errors (compute-sanitizer's documentation), with
+# the host backtrace a JAX process prints after each (abridged).
+HAZARDS = """========= COMPUTE-SANITIZER
+========= Error: Race reported between Write access at 0x1f30 in hopper_gemm.cu:611:HandFusedEpilogue
+=========     and Read access at 0x2c80 in hopper_gemm.cu:640:AsyncFusedEpilogue [256 hazards]
+=========     Saved host backtrace up to driver entry point at kernel launch time
+=========         Host Frame: cuLaunchKernelEx [0x3b1c2] in libcuda.so.1
+=========         Host Frame: main in sanitizer_case.py:140
+=========
+========= Barrier error detected. Divergent thread(s) in warp
+=========     at 0x4410 in hopper_gemm.cu:655:AsyncFusedEpilogue
+=========     by thread (40,0,0) in block (3,0,0)
+=========         Host Frame: main in sanitizer_case.py:140
+=========
+========= Error: Race reported between Read access at 0x2c80 in hopper_gemm.cu:640:AsyncFusedEpilogue
+=========     and Write access at 0x1f30 in hopper_gemm.cu:611:HandFusedEpilogue [32 hazards]
+=========
+sanitizer case: ok
+========= RACECHECK SUMMARY: 3 hazards displayed (3 errors, 0 warnings)
+"""
+
+
+def test_first_reports_keep_each_report_and_drop_the_backtraces():
+    two = first_reports(HAZARDS, count=2).splitlines()
+    assert two == [
+        "========= Error: Race reported between Write access at 0x1f30 in hopper_gemm.cu:611:HandFusedEpilogue",
+        "=========     and Read access at 0x2c80 in hopper_gemm.cu:640:AsyncFusedEpilogue [256 hazards]",
+        "========= Barrier error detected. Divergent thread(s) in warp",
+        "=========     at 0x4410 in hopper_gemm.cu:655:AsyncFusedEpilogue",
+        "=========     by thread (40,0,0) in block (3,0,0)"]
+    assert first_reports(HAZARDS).count("Race reported") == 2
+    assert first_reports(CLEAN_RACECHECK) == "" and first_reports(STOPPED_RACECHECK).startswith(
+        "========= Internal Sanitizer Error")
+
+
 # Recorded on the H200 (seventeenth session, memcheck, exit by SIGSEGV; the XLA warning abridged).
 CRASHED_MEMCHECK = """========= COMPUTE-SANITIZER
 E1201 14:06:45.774741    1169 slow_operation_alarm.cc:73]
@@ -159,4 +215,5 @@ def test_sanitizer_case_is_clean(tool, compiled_case_env):
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=900)
     output = r.stdout + r.stderr
     why = sanitizer_verdict(tool, output)
-    assert why is None and r.returncode == 0, f"{why or f'exit status {r.returncode}'}\n{output[-4000:]}"
+    assert why is None and r.returncode == 0, (
+        f"{why or f'exit status {r.returncode}'}\n{first_reports(output)}\n...\n{output[-1500:]}")
