@@ -17,7 +17,7 @@ Probes:
              comes (the main loop alone)
   nosilu     h = gate * up (no exp, no division)
   nobarrier  each warp's own token maxima set the scales (no shared-memory reduction, no barriers between the
-             two consumer warpgroups; the scale by a multiply, its reciprocal from its bits: no division)
+             two consumer warpgroups; the scale and its reciprocal from the bits, as in main)
   nostore    every code computed, folded into one value and stored only if it equals a constant that never comes
              (no per-element byte stores to global memory)
 """
@@ -73,8 +73,8 @@ def probe_source(text, probe):
         z = body.index(_REDUCE_END) + len(_REDUCE_END)
         body = body[:a] + (
             "      // probe nobarrier: this warp's maxima alone set the scale\n"
-            "      const float s = CeilToUe8m0(fmaxf(m, 1e-4f) * (1.0f / 448.0f));\n"
-            "      scale[j] = __uint_as_float((254u - (__float_as_uint(s) >> 23)) << 23);\n"
+            "      const float s = Ue8m0ScaleForE4m3(fmaxf(m, 1e-4f));\n"
+            "      scale[j] = Ue8m0Reciprocal(s);\n"
             "      const int64_t tok = t.m0 + 8 * (j / 2) + 2 * lane + (j % 2);\n"
             "      if (cw == 0 && warp == 0 && lane < 4 && tok < t.m_end)\n"
             "        p.h_scale[tok * (p.f / kFeatTile) + t.f0 / kFeatTile] = s;\n"
