@@ -240,6 +240,34 @@ def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch
         f32_model.set_attention("cudnn")
 
 
+def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse(rng):
+    """``set_moe_up`` sets each MoE layer's routed experts (static: a jitted forward retraces). Off Hopper the
+    fused op composes the unfused ops, so the logits keep their bits; on a GPU they stay close (gate and up are
+    no longer rounded to bf16 before SiLU-mul)."""
+    cfg = DeepseekConfig.from_dict(TINY128)
+    model = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(ue8m0=True), dtype=jnp.bfloat16,
+                                  rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+    experts = [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, layers.MoE)]
+    assert len(experts) == cfg.num_hidden_layers - cfg.first_k_dense_replace
+    assert all(e.moe_up == "unfused" and e.can_fuse_up for e in experts)
+    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    want = np.asarray(jit_forward(model)(ids), np.float32)
+    for impl in ("fused", "auto"):
+        assert model.set_moe_up(impl) is model
+        assert [e.moe_up for e in experts] == [impl] * len(experts)
+        got = np.asarray(jit_forward(model)(ids), np.float32)
+        if jax.default_backend() == "gpu":
+            assert np.linalg.norm(got - want) < 5e-2 * np.linalg.norm(want)
+        else:
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="implementation"):
+        model.set_moe_up("fast")
+    plain = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="UE8M0"):
+        plain.set_moe_up("fused")
+    assert plain.set_moe_up("auto") is plain   # its experts stay unfused (test_deepseek_layers: what they lower to)
+
+
 # ----------------------------------------------------------------------------------------------
 # dtypes of a bf16 forward
 # ----------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_w4a8 import expert_parallel, moe, ops
+from jax_w4a8 import expert_parallel, moe, ops, tiling
 from jax_w4a8 import quant as qlib
 from jax_w4a8.models.deepseek.config import DeepseekConfig, QuantConfig
 
@@ -563,6 +563,15 @@ def _ragged_nk(x, w, group_sizes, dtype):
     return y.astype(dtype)
 
 
+# How W4A8 routed experts compute ``silu(gate) * up`` for the down projection (:attr:`Experts.moe_up`,
+# ``DeepseekV3ForCausalLM.set_moe_up``): "unfused" (the gate+up grouped GEMM to bf16, then SiLU-mul and the
+# quantizer in one kernel: ``ops.silu_mul_quantize_fp8_groups``), "fused" (``ops.w4a8_moe_up``'s fused kernel:
+# SiLU-mul and the quantizer in the GEMM's epilogue, gate and up never in memory, whatever the rows per expert)
+# or "auto" (fused where ``tiling.plan_moe_up`` takes the fused kernel: up to ``tiling.FUSED_UP_MAX_ROWS``
+# expected rows per expert; unfused above, and for experts that cannot fuse: :attr:`Experts.can_fuse_up`).
+MOE_UP_IMPLS = ("unfused", "fused", "auto")
+
+
 class Experts(nnx.Module):
     """The routed experts of one MoE layer: ``__call__(x_sorted [R, D], group_sizes int32 [E]) -> [R, D]``.
 
@@ -580,7 +589,12 @@ class Experts(nnx.Module):
       ``input_scales``: ``gate_up_proj_input_scale`` fp32 [E, 2] (w1 = gate, w3 = up) and
       ``down_proj_input_scale`` fp32 [E] (w2). Activations fp8 per token-group (``act_scale="dynamic"``)
       or per tensor with the max ``input_scale`` of the layer (``"static"``); ``ops.w4a8_grouped_gemm``
-      for gate+up and for down; ``silu(gate) * up`` in fp32, rounded to ``dtype``, re-quantized for down.
+      for gate+up and for down; ``silu(gate) * up`` in fp32, rounded to ``dtype``, re-quantized for down
+      (``ops.silu_mul_quantize_fp8_groups``), or, per :attr:`moe_up`, all three in ``ops.w4a8_moe_up``'s fused
+      kernel (gate and up then stay float32: not rounded to ``dtype`` before SiLU-mul).
+
+    ``moe_up`` (static, :data:`MOE_UP_IMPLS`, default "unfused"): how W4A8 experts with dynamic UE8M0 activation
+    scales in a bf16 module form the down projection's input; others always run unfused.
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int, *, quant: str = "none", dtype=jnp.bfloat16,
@@ -617,6 +631,7 @@ class Experts(nnx.Module):
             raise ValueError(f"Experts: quant must be 'none', 'fp8' or 'w4a8', got {quant!r}")
         if act_scale == "static" and (quant != "w4a8" or not input_scales):
             raise ValueError("Experts: act_scale='static' needs W4A8 experts with input_scales")
+        self.moe_up = "unfused"
 
     # -- weights as [E, N, K] in dtype (the "none" and "fp8" paths)
     def _dense_weights(self):
@@ -637,6 +652,19 @@ class Experts(nnx.Module):
         quantizer call as the shared expert's, which XLA then computes once)."""
         return self.quant == "w4a8" and self.act_scale == "dynamic"
 
+    @property
+    def can_fuse_up(self) -> bool:
+        """Whether ``ops.w4a8_moe_up`` computes this module's down-projection input (:attr:`moe_up`): W4A8
+        experts, dynamic activation scales rounded to powers of two (``ue8m0``: the fused kernel's scales
+        are UE8M0) and a bf16 module (the op's composed ops, its path off Hopper, round gate and up to bf16)."""
+        return (self.quant == "w4a8" and self.act_scale == "dynamic" and self.ue8m0
+                and self.dtype == jnp.dtype(jnp.bfloat16))
+
+    def _fuses_up(self, rows: int, experts: int) -> bool:
+        if self.moe_up == "unfused" or not self.can_fuse_up:
+            return False
+        return self.moe_up == "fused" or tiling.plan_moe_up(rows, experts, self.inter, self.hidden).kernel == "fused"
+
     def quantize_input(self, x):
         """x [R, D] -> (e4m3 [R, D], fp32 scales [R, D/128]) as the W4A8 gate+up product takes them
         (:func:`quantize_act_groups`; powers of two when ``ue8m0``)."""
@@ -656,9 +684,12 @@ class Experts(nnx.Module):
             h = silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype)
             return self._w4a8_static(h, w2, w2_s, self.down_proj_input_scale[...], group_sizes)
         x8, xs = x_sorted if isinstance(x_sorted, tuple) else self.quantize_input(x_sorted)
-        gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype)
-        # silu(gate) * up in float32 and the down projection's quantization: one kernel, h never in memory
-        h8, hs = ops.silu_mul_quantize_fp8_groups(gu, self.ue8m0)
+        if self._fuses_up(x8.shape[0], w13.shape[0]):   # w13's experts: this device's under expert parallelism
+            h8, hs = ops.w4a8_moe_up(x8, xs, w13, w13_s, group_sizes, fused=True)
+        else:
+            gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype)
+            # silu(gate) * up in float32 and the down projection's quantization: one kernel, h never in memory
+            h8, hs = ops.silu_mul_quantize_fp8_groups(gu, self.ue8m0)
         return ops.w4a8_grouped_gemm(h8, hs, w2, w2_s, group_sizes, out_dtype=self.dtype)
 
     def __call__(self, x_sorted, group_sizes):
