@@ -7,6 +7,8 @@
     python benchmarks/bench_generate.py --layers 2 --variants w4a8 --prefill 4096 --batches --trace-prefill
     python benchmarks/bench_generate.py --layers 61 --variants w4a8 --expert-parallel 8 --batches 1 16 64 256
                                                          # R1-sized W4A8 model over 8 GPUs (issue #8)
+    python benchmarks/bench_generate.py --layers 2 --variants w4a8 --moe-up unfused auto --prefill
+                                                         # the routed up-projection unfused vs fused, same weights
 
 The model has DeepSeek-V3's widths (vocab 129280, hidden 7168, 128 heads, q_lora 1536, kv_lora 512,
 qk_nope 128, qk_rope 64, v_head 128, 256 routed experts of 2048 + 1 shared, top-8 of 8 groups / 4 kept,
@@ -470,6 +472,11 @@ def main(argv=None):
     p.add_argument("--attention", choices=("eager", "cudnn", "auto"), default="auto",
                    help="prefill attention of every variant (DeepseekV3ForCausalLM.set_attention; default auto, "
                         "the model's)")
+    p.add_argument("--moe-up", nargs="+", choices=("unfused", "fused", "auto"), default=["unfused"],
+                   help="the w4a8 variant's routed up-projection (DeepseekV3ForCausalLM.set_moe_up), one run per "
+                        "name on the same weights, e.g. --moe-up unfused auto; other than unfused implies --ue8m0")
+    p.add_argument("--ue8m0", action="store_true",
+                   help="the w4a8 variant with UE8M0 (power-of-two) activation scales, QuantConfig.w4a8(ue8m0=True)")
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
     p.add_argument("--expert-parallel", type=int, default=1, metavar="N",
                    help="split the routed experts over the first N devices (weights made sharded; w4a8 only)")
@@ -520,11 +527,17 @@ def main(argv=None):
             raise SystemExit("--expert-parallel: the bf16_pallas variant runs on one device only")
     if "w4a8" in variants:
         t0 = time.perf_counter()
-        model = random_model(cfg, QuantConfig.w4a8(), jnp.bfloat16, mesh)
+        ue8m0 = args.ue8m0 or args.moe_up != ["unfused"]  # fusing the up-projection needs UE8M0 activation scales
+        model = random_model(cfg, QuantConfig.w4a8(ue8m0=ue8m0), jnp.bfloat16, mesh)
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
-        print(f"w4a8 model made in {time.perf_counter() - t0:.1f} s", flush=True)
-        run_variant("w4a8" + tag, model, cfg, args, rows)
-        save_partial()
+        print(f"w4a8 model{' (UE8M0 activation scales)' if ue8m0 else ''} made in {time.perf_counter() - t0:.1f} s",
+              flush=True)
+        for impl in args.moe_up:  # the same weights under each implementation, in this one process
+            if impl != "unfused" or len(args.moe_up) > 1:  # (packages from before set_moe_up: unfused alone)
+                model.set_moe_up(impl)
+            name = "w4a8" + ("-ue8m0" if ue8m0 else "") + ("" if impl == "unfused" else f"-{impl}-up")
+            run_variant(name + tag, model, cfg, args, rows)
+            save_partial()
         _free(model)
         del model
     if "bf16_ragged_dot" in variants or "bf16_pallas" in variants:

@@ -171,6 +171,10 @@ def main(argv=None) -> int:
                    help="prefill attention: auto (the default: cudnn where possible, else eager), eager (float32 "
                         "scores in memory, transformers' numerics) or cudnn (cuDNN's fused flash attention, bf16 "
                         "on a GPU)")
+    p.add_argument("--moe-up", choices=["unfused", "fused", "auto"], default=None,
+                   help="how W4A8 routed experts with UE8M0 activation scales form the down projection's input: "
+                        "unfused (the default: gate+up GEMM to bf16, then SiLU-mul and quantizer), fused (one "
+                        "Hopper kernel) or auto (fused for decode-sized batches)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
@@ -241,6 +245,12 @@ def main(argv=None) -> int:
             model.set_attention(args.attention)
         except ValueError as e:
             print(f"error: --attention: {e}", file=sys.stderr)
+            return 2
+    if args.moe_up is not None:
+        try:
+            model.set_moe_up(args.moe_up)
+        except ValueError as e:
+            print(f"error: --moe-up: {e}", file=sys.stderr)
             return 2
     print(f"loaded {ckpt} in {time.perf_counter() - t0:.1f} s: {_describe(model)}; "
           f"prefill attention {model.model.layers[0].self_attn.attention}")

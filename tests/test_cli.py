@@ -44,8 +44,16 @@ def test_help_names_the_options():
                        text=True, timeout=120)
     assert r.returncode == 0
     for opt in ("--checkpoint", "--prompt", "--max-new-tokens", "--quantize", "--temperature", "--top-p",
-                "--attention"):
+                "--attention", "--moe-up"):
         assert opt in r.stdout
+
+
+def test_moe_up_fused_needs_ue8m0_activation_scales(capsys):
+    """The embedded default's W4A8 experts take float32 activation scales: --moe-up fused is refused with the
+    reason, before anything runs."""
+    assert cli.main(["--max-new-tokens", "2", "--moe-up", "fused"]) == 2
+    err = capsys.readouterr().err
+    assert "--moe-up" in err and "UE8M0" in err
 
 
 def test_checkpoint_dir_without_chat_template_fp8_sampling(tmp_path, capsys):
