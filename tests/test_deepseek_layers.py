@@ -614,11 +614,22 @@ def _expert_rows(rng, m, rows):
     return x, jnp.asarray(sizes, jnp.int32)
 
 
-def test_experts_can_fuse_up_only_with_dynamic_ue8m0_w4a8_in_bf16():
+def _static_experts(rng, seed, e=8, d=256, i=256, dtype=jnp.bfloat16):
+    """W4A8 experts with the checkpoint's per-expert input scales (random, as a W4AFP8 checkpoint has them)."""
+    m = layers.Experts(e, d, i, quant="w4a8", dtype=dtype, act_scale="static", input_scales=True,
+                       rngs=nnx.Rngs(seed))
+    m.gate_up_proj_input_scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, (e, 2)) * 6 / 448, jnp.float32)
+    m.down_proj_input_scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, e) * 0.05, jnp.float32)
+    return m
+
+
+def test_experts_can_fuse_up_with_static_or_dynamic_ue8m0_scales_in_bf16():
     ok = dict(quant="w4a8", dtype=jnp.bfloat16, ue8m0=True)
     assert layers.Experts(4, 256, 128, **ok, rngs=nnx.Rngs(0)).can_fuse_up
+    static = dict(ue8m0=False, act_scale="static", input_scales=True)
+    assert layers.Experts(4, 256, 128, **{**ok, **static}, rngs=nnx.Rngs(0)).can_fuse_up
     for change in (dict(ue8m0=False), dict(dtype=jnp.float32), dict(quant="fp8"), dict(quant="none"),
-                   dict(act_scale="static", input_scales=True)):
+                   dict(static, dtype=jnp.float32)):
         assert not layers.Experts(4, 256, 128, **{**ok, **change}, rngs=nnx.Rngs(0)).can_fuse_up, change
 
 
@@ -642,6 +653,23 @@ def test_experts_fused_up_off_hopper_is_the_unfused_sequence(rng, impl):
     got, _ = _run_experts(m, x, sizes)
     assert np.isfinite(got).all() and np.abs(got).max() > 0
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("impl", ["fused", "auto"])
+def test_experts_fused_up_with_static_scales_off_hopper(rng, impl):
+    """Static scales: off Hopper the fused op composes the grouped GEMM with SiLU-mul and the per-tensor quantizer
+    in float32 (the unfused path rounds h to bf16 first), so the two differ by a few e4m3 codes of h; both match
+    the float64 row loop (whose h is not rounded either)."""
+    if ffi_available("cuda") and jax.default_backend() == "gpu":
+        pytest.skip("on a GPU the fused kernel runs: test_experts_fused_up_matches_the_float64_row_loop_on_gpu")
+    m = _static_experts(rng, int(rng.integers(1 << 30)))
+    x, sizes = _expert_rows(rng, m, 37)
+    unfused, _ = _run_experts(m, x, sizes)
+    m.moe_up = impl
+    got, _ = _run_experts(m, x, sizes)
+    _check_experts_against_row_loop(m, x, sizes, got)
+    _check_experts_against_row_loop(m, x, sizes, unfused)
+    assert 0 < rel(got, unfused) < 3e-2      # not the same program: h rounded to bf16 or not
 
 
 @pytest.mark.skipif(not ffi_available("cuda"), reason=ffi_available("cuda").reason)
@@ -671,12 +699,31 @@ def test_experts_moe_up_lowers_to_the_fused_kernel_for_cuda():
     assert targets("auto", 8 * 64) == fused and targets("auto", 8 * 65) == unfused
     assert targets("fused", 64, other) == unfused and targets("auto", 64, other) == unfused
 
+    static = _static_experts(np.random.default_rng(0), 0)           # x and h quantized per tensor, in XLA
+
+    def static_targets(impl, rows):
+        static.moe_up = impl
+        graphdef, state = nnx.split(static)
+        fn = jax.jit(lambda st, a, g: nnx.merge(graphdef, st)(a, g))
+        args = (jax.ShapeDtypeStruct((rows, static.hidden), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
+        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=export_disabled_checks())(
+            state, *args).mlir_module()
+        return sorted(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text))
+
+    assert static_targets("unfused", 64) == ["w4a8_grouped_gemm", "w4a8_grouped_gemm"]
+    assert static_targets("auto", 64) == fused and static_targets("auto", 8 * 65) == ["w4a8_grouped_gemm"] * 2
+
 
 def _check_experts_against_row_loop(m, x, sizes, got):
     """bf16 output (2^-9 relative per element), and e4m3 codes of x and h that flip to a neighbour where float32
     and float64 round differently (gate and up also rounded to bf16 when unfused): the unfused path on CPU gave
-    whole-output errors of 1.0-1.9% and row medians of 0.4-0.9% (six seeds, 40 to 512 rows)."""
-    ref = np_experts(m, np.asarray(x, np.float32), np.asarray(sizes), "fp8", ue8m0=True)
+    whole-output errors of 1.0-1.9% and row medians of 0.4-0.9% (six seeds, 40 to 512 rows, dynamic scales);
+    with static scales 0.9-1.7% and 0.6-1.1% unfused, 1.0-1.5% and 0.6-0.9% fused (five seeds)."""
+    if m.act_scale == "static":
+        scales = (np.float32(np.max(m.gate_up_proj_input_scale[...])), np.float32(np.max(m.down_proj_input_scale[...])))
+        ref = np_experts(m, np.asarray(x, np.float32), np.asarray(sizes), "static", static=scales)
+    else:
+        ref = np_experts(m, np.asarray(x, np.float32), np.asarray(sizes), "fp8", ue8m0=True)
     assert got.shape == ref.shape and np.isfinite(got).all()
     row_rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
     assert rel(got, ref) < 3e-2 and np.median(row_rel) < 1.5e-2, (rel(got, ref), np.median(row_rel))
@@ -690,12 +737,15 @@ def test_experts_bf16_unfused_up_matches_the_float64_row_loop(rng):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("scales", ["dynamic", "static"])
 @pytest.mark.parametrize("rows", [40, 8 * 16, 8 * 64])
-def test_experts_fused_up_matches_the_float64_row_loop_on_gpu(rng, rows):
-    """The fused up-projection inside the experts on a GPU (8-, 16- and 64-token tiles of the fused kernel)
-    against the float64 row loop over the stored formats, and near the unfused path on the same rows."""
+def test_experts_fused_up_matches_the_float64_row_loop_on_gpu(rng, rows, scales):
+    """The fused up-projection inside the experts on a GPU (8-, 16- and 64-token tiles of the fused kernel; its
+    UE8M0 dynamic scales and its static one) against the float64 row loop over the stored formats, and near the
+    unfused path on the same rows."""
     gpu = jax.devices("gpu")[0]
-    m = _fusable_experts(int(rng.integers(1 << 30)))
+    seed = int(rng.integers(1 << 30))
+    m = _fusable_experts(seed) if scales == "dynamic" else _static_experts(rng, seed)
     x, sizes = jax.device_put(_expert_rows(rng, m, rows), gpu)
     unfused, _ = _run_experts(m, x, sizes)
     m.moe_up = "fused"

@@ -266,6 +266,12 @@ def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse
     with pytest.raises(ValueError, match="UE8M0"):
         plain.set_moe_up("fused")
     assert plain.set_moe_up("auto") is plain   # its experts stay unfused (test_deepseek_layers: what they lower to)
+    # static activation scales (a W4AFP8 checkpoint's input_scale) fuse too: h no longer rounded to bf16
+    static = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(act_scale="static", input_scales=True),
+                                   dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+    want = np.asarray(jit_forward(static)(ids), np.float32)
+    got = np.asarray(jit_forward(static.set_moe_up("fused"))(ids), np.float32)
+    assert np.isfinite(got).all() and 0 < np.linalg.norm(got - want) < 5e-2 * np.linalg.norm(want)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -590,11 +590,11 @@ class Experts(nnx.Module):
       ``down_proj_input_scale`` fp32 [E] (w2). Activations fp8 per token-group (``act_scale="dynamic"``)
       or per tensor with the max ``input_scale`` of the layer (``"static"``); ``ops.w4a8_grouped_gemm``
       for gate+up and for down; ``silu(gate) * up`` in fp32, rounded to ``dtype``, re-quantized for down
-      (``ops.silu_mul_quantize_fp8_groups``), or, per :attr:`moe_up`, all three in ``ops.w4a8_moe_up``'s fused
-      kernel (gate and up then stay float32: not rounded to ``dtype`` before SiLU-mul).
+      (dynamic: ``ops.silu_mul_quantize_fp8_groups``), or, per :attr:`moe_up`, all three in
+      ``ops.w4a8_moe_up``'s fused kernel (gate, up and h then stay float32: not rounded to ``dtype``).
 
-    ``moe_up`` (static, :data:`MOE_UP_IMPLS`, default "unfused"): how W4A8 experts with dynamic UE8M0 activation
-    scales in a bf16 module form the down projection's input; others always run unfused.
+    ``moe_up`` (static, :data:`MOE_UP_IMPLS`, default "unfused"): how W4A8 experts that :attr:`can_fuse_up` form
+    the down projection's input; others always run unfused.
     """
 
     def __init__(self, num_experts: int, hidden: int, inter: int, *, quant: str = "none", dtype=jnp.bfloat16,
@@ -654,11 +654,12 @@ class Experts(nnx.Module):
 
     @property
     def can_fuse_up(self) -> bool:
-        """Whether ``ops.w4a8_moe_up`` computes this module's down-projection input (:attr:`moe_up`): W4A8
-        experts, dynamic activation scales rounded to powers of two (``ue8m0``: the fused kernel's scales
-        are UE8M0) and a bf16 module (the op's composed ops, its path off Hopper, round gate and up to bf16)."""
-        return (self.quant == "w4a8" and self.act_scale == "dynamic" and self.ue8m0
-                and self.dtype == jnp.dtype(jnp.bfloat16))
+        """Whether ``ops.w4a8_moe_up`` can compute this module's down-projection input (:attr:`moe_up`): W4A8
+        experts in a bf16 module (the op's composed ops, its path off Hopper, round gate and up to bf16) with
+        static activation scales (the checkpoint's ``input_scale``, sglang's W4AFP8 recipe) or dynamic ones
+        rounded to powers of two (``ue8m0``: the fused kernel forms UE8M0 scales only)."""
+        return (self.quant == "w4a8" and self.dtype == jnp.dtype(jnp.bfloat16)
+                and (self.act_scale == "static" or self.ue8m0))
 
     def _fuses_up(self, rows: int, experts: int) -> bool:
         if self.moe_up == "unfused" or not self.can_fuse_up:
@@ -670,19 +671,19 @@ class Experts(nnx.Module):
         (:func:`quantize_act_groups`; powers of two when ``ue8m0``)."""
         return quantize_act_groups(x.astype(self.dtype), self.ue8m0)
 
-    def _w4a8_static(self, x, w, w_scale, input_scale, group_sizes):
-        s = jnp.max(input_scale).astype(F32)
-        return ops.w4a8_grouped_gemm(qlib.quantize_fp8_tensor(x, s), s, w, w_scale, group_sizes,
-                                     out_dtype=self.dtype)
-
     def _w4a8(self, x_sorted, group_sizes):
         w13, w13_s, w2, w2_s = (self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], self.down_proj[...],
                                 self.down_proj_scale_inv[...])
-        if self.act_scale == "static":
-            x = x_sorted.astype(self.dtype)
-            gu = self._w4a8_static(x, w13, w13_s, self.gate_up_proj_input_scale[...], group_sizes)
-            h = silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype)
-            return self._w4a8_static(h, w2, w2_s, self.down_proj_input_scale[...], group_sizes)
+        if self.act_scale == "static":   # one scale per tensor: the max over the layer's (local) experts
+            s13 = jnp.max(self.gate_up_proj_input_scale[...]).astype(F32)
+            s2 = jnp.max(self.down_proj_input_scale[...]).astype(F32)
+            x8 = qlib.quantize_fp8_tensor(x_sorted.astype(self.dtype), s13)
+            if self._fuses_up(x8.shape[0], w13.shape[0]):
+                h8, _ = ops.w4a8_moe_up(x8, s13, w13, w13_s, group_sizes, down_input_scale=s2, fused=True)
+            else:
+                gu = ops.w4a8_grouped_gemm(x8, s13, w13, w13_s, group_sizes, out_dtype=self.dtype)
+                h8 = qlib.quantize_fp8_tensor(silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype), s2)
+            return ops.w4a8_grouped_gemm(h8, s2, w2, w2_s, group_sizes, out_dtype=self.dtype)
         x8, xs = x_sorted if isinstance(x_sorted, tuple) else self.quantize_input(x_sorted)
         if self._fuses_up(x8.shape[0], w13.shape[0]):   # w13's experts: this device's under expert parallelism
             h8, hs = ops.w4a8_moe_up(x8, xs, w13, w13_s, group_sizes, fused=True)
