@@ -140,7 +140,8 @@ variant_ncu() { time_builds 90 "$TILE_CASES" "$PWD" "$PWD/$VARIANT"; }
 export -f time_builds variant_ncu && export VARIANT
 [[ -d $VARIANT/jax_w4a8/_lib ]] && step variant_ncu 300 bash -c variant_ncu
 # 5b. fused up-projection variants (FUSED_VARIANTS: package copies, none by default; fifty-first to fifty-third
-#     sessions): each one's fused GPU tests and racecheck / synccheck with its package in the checkout's place,
+#     sessions): each one's fused GPU tests (FUSED_TESTS, default tests/test_w4a8_moe_up.py; FUSED_TESTS_LIMIT s,
+#     default 150) and racecheck / synccheck with its package in the checkout's place,
 #     then the fused kernel's time beside main's (kernel alone, fused512, fused1024 and fused64). About 300 s on
 #     an H100 for one variant: a call of its own.
 fused_variants() {
@@ -148,7 +149,7 @@ fused_variants() {
   for v in $FUSED_VARIANTS; do
     [[ -d $v/jax_w4a8/_lib ]] || continue
     echo "## $(basename "$v"): tests, racecheck, synccheck"
-    variant_checks "$v" 150 tests/test_w4a8_moe_up.py
+    variant_checks "$v" "${FUSED_TESTS_LIMIT:-150}" ${FUSED_TESTS:-tests/test_w4a8_moe_up.py}
   done
   time_builds 40 "fused512 fused1024 fused64" "$PWD" $FUSED_VARIANTS
 }
