@@ -7,6 +7,7 @@ test_deepseek_model.py and test_deepseek_checkpoint.py.
 import importlib.util
 import math
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -643,9 +644,8 @@ def _run_experts(m, x, sizes):
 @pytest.mark.parametrize("impl", ["fused", "auto"])
 def test_experts_fused_up_off_hopper_is_the_unfused_sequence(rng, impl):
     """Off Hopper ``ops.w4a8_moe_up`` composes the ops the unfused path runs (the grouped GEMM to bf16, then
-    SiLU-mul and the quantizer in one pass): the same weights, scales and rows give the same bits."""
-    if ffi_available("cuda") and jax.default_backend() == "gpu":
-        pytest.skip("on a GPU the fused kernel runs: test_experts_fused_up_matches_the_float64_row_loop_on_gpu")
+    SiLU-mul and the quantizer in one pass): the same weights, scales and rows give the same bits. (On the CPU,
+    also on a GPU host; the GPU test below runs the fused kernel.)"""
     m = _fusable_experts(int(rng.integers(1 << 30)))
     x, sizes = _expert_rows(rng, m, 37)
     want, _ = _run_experts(m, x, sizes)
@@ -660,8 +660,6 @@ def test_experts_fused_up_with_static_scales_off_hopper(rng, impl):
     """Static scales: off Hopper the fused op composes the grouped GEMM with SiLU-mul and the per-tensor quantizer
     in float32 (the unfused path rounds h to bf16 first), so the two differ by a few e4m3 codes of h; both match
     the float64 row loop (whose h is not rounded either)."""
-    if ffi_available("cuda") and jax.default_backend() == "gpu":
-        pytest.skip("on a GPU the fused kernel runs: test_experts_fused_up_matches_the_float64_row_loop_on_gpu")
     m = _static_experts(rng, int(rng.integers(1 << 30)))
     x, sizes = _expert_rows(rng, m, 37)
     unfused, _ = _run_experts(m, x, sizes)
@@ -678,7 +676,6 @@ def test_experts_moe_up_lowers_to_the_fused_kernel_for_cuda():
     "fused" the fused up-projection; "auto" the same up to 64 expected rows per expert and the unfused pair
     above; "unfused" the grouped GEMM and the silu-mul quantizer, as experts that cannot fuse do whatever their
     ``moe_up`` (float32 activation scales here). Rows arrive quantized, as MoE passes them."""
-    import re
     fusable = _fusable_experts(0, e=8)
     other = layers.Experts(8, 256, 256, quant="w4a8", dtype=jnp.bfloat16, ue8m0=False, rngs=nnx.Rngs(0))
 
@@ -750,7 +747,10 @@ def test_experts_fused_up_matches_the_float64_row_loop_on_gpu(rng, rows, scales)
     unfused, _ = _run_experts(m, x, sizes)
     m.moe_up = "fused"
     got, text = _run_experts(m, x, sizes)
-    assert "jax_w4a8_w4a8_moe_up" in text and "silu_mul" not in text
+    # the fused kernel and the down projection (dynamic scales: after the input quantizer); no silu-mul quantizer
+    want = ["w4a8_grouped_gemm", "w4a8_moe_up"] if scales == "static" else \
+        ["quantize_fp8_groups", "w4a8_grouped_gemm", "w4a8_moe_up"]
+    assert sorted(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text)) == want
     _check_experts_against_row_loop(m, x, sizes, got)
     _check_experts_against_row_loop(m, x, sizes, unfused)
     assert rel(got, unfused) < 3e-2

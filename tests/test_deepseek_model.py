@@ -240,38 +240,53 @@ def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch
         f32_model.set_attention("cudnn")
 
 
-def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse(rng):
-    """``set_moe_up`` sets each MoE layer's routed experts (static: a jitted forward retraces). Off Hopper the
-    fused op composes the unfused ops, so the logits keep their bits; on a GPU they stay close (gate and up are
-    no longer rounded to bf16 before SiLU-mul)."""
+def _forward_targets(model, ids):
+    """The jax_w4a8 custom calls of the model's jitted forward, as lowered for the default device."""
+    import re
+    graphdef, state = nnx.split(model)
+    text = forward.lower(graphdef, state, ids, None, False).as_text()
+    return sorted(set(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text)))
+
+
+def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse(rng, device):
+    """``set_moe_up`` sets each MoE layer's routed experts (static: a jitted forward retraces). On the CPU the
+    fused op composes the unfused ops, so the logits keep their bits; on a GPU the fused kernel runs and the
+    logits stay close (gate and up are no longer rounded to bf16 before SiLU-mul). Static activation scales (a
+    W4AFP8 checkpoint's ``input_scale``) fuse too."""
+    on_gpu = device.platform == "gpu"
     cfg = DeepseekConfig.from_dict(TINY128)
-    model = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(ue8m0=True), dtype=jnp.bfloat16,
-                                  rngs=nnx.Rngs(int(rng.integers(1 << 30))))
-    experts = [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, layers.MoE)]
-    assert len(experts) == cfg.num_hidden_layers - cfg.first_k_dense_replace
-    assert all(e.moe_up == "unfused" and e.can_fuse_up for e in experts)
-    ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
-    want = np.asarray(jit_forward(model)(ids), np.float32)
-    for impl in ("fused", "auto"):
-        assert model.set_moe_up(impl) is model
-        assert [e.moe_up for e in experts] == [impl] * len(experts)
-        got = np.asarray(jit_forward(model)(ids), np.float32)
-        if jax.default_backend() == "gpu":
-            assert np.linalg.norm(got - want) < 5e-2 * np.linalg.norm(want)
-        else:
-            np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="implementation"):
-        model.set_moe_up("fast")
-    plain = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
-    with pytest.raises(ValueError, match="UE8M0"):
-        plain.set_moe_up("fused")
-    assert plain.set_moe_up("auto") is plain   # its experts stay unfused (test_deepseek_layers: what they lower to)
-    # static activation scales (a W4AFP8 checkpoint's input_scale) fuse too: h no longer rounded to bf16
-    static = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(act_scale="static", input_scales=True),
-                                   dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
-    want = np.asarray(jit_forward(static)(ids), np.float32)
-    got = np.asarray(jit_forward(static.set_moe_up("fused"))(ids), np.float32)
-    assert np.isfinite(got).all() and 0 < np.linalg.norm(got - want) < 5e-2 * np.linalg.norm(want)
+    with jax.default_device(device):
+        model = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(ue8m0=True), dtype=jnp.bfloat16,
+                                      rngs=nnx.Rngs(int(rng.integers(1 << 30))))
+        experts = [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, layers.MoE)]
+        assert len(experts) == cfg.num_hidden_layers - cfg.first_k_dense_replace
+        assert all(e.moe_up == "unfused" and e.can_fuse_up for e in experts)
+        ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+        want = np.asarray(jit_forward(model)(ids), np.float32)
+        assert "w4a8_moe_up" not in _forward_targets(model, ids)
+        for impl in ("fused", "auto"):
+            assert model.set_moe_up(impl) is model
+            assert [e.moe_up for e in experts] == [impl] * len(experts)
+            got = np.asarray(jit_forward(model)(ids), np.float32)
+            assert ("w4a8_moe_up" in _forward_targets(model, ids)) == on_gpu
+            if on_gpu:
+                assert np.isfinite(got).all() and np.linalg.norm(got - want) < 5e-2 * np.linalg.norm(want)
+            else:
+                np.testing.assert_array_equal(got, want)
+        with pytest.raises(ValueError, match="implementation"):
+            model.set_moe_up("fast")
+        plain = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        with pytest.raises(ValueError, match="UE8M0"):
+            plain.set_moe_up("fused")
+        assert plain.set_moe_up("auto") is plain          # its experts stay unfused
+        assert "w4a8_moe_up" not in _forward_targets(plain, ids)
+        static = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(act_scale="static", input_scales=True),
+                                       dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
+        want = np.asarray(jit_forward(static)(ids), np.float32)
+        got = np.asarray(jit_forward(static.set_moe_up("fused"))(ids), np.float32)
+        assert ("w4a8_moe_up" in _forward_targets(static, ids)) == on_gpu
+        # h no longer rounded to bf16 (on the CPU too: the composed static path quantizes float32 h)
+        assert np.isfinite(got).all() and 0 < np.linalg.norm(got - want) < 5e-2 * np.linalg.norm(want)
 
 
 # ----------------------------------------------------------------------------------------------
