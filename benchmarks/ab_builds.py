@@ -16,6 +16,12 @@ odd partner does too, so that every build runs first equally often), its workers
 that runs past it ends the run with the summary of the complete rounds (a run killed from outside prints nothing:
 the thirty-third session lost a 400 s A/B that way).
 
+`--kernel-time` also runs each case's loop once more under the JAX profiler (CUPTI; XLA's command buffers kept) and
+adds a second table of the time per call in which some kernel ran: the kernels' own time, without the gaps and
+launches between them. Where builds differ in the first table but not in the second, the difference is not in the
+kernels (the fifty-fourth session's H100 A/B timed one kernel, identical in two builds, 8% apart between processes,
+while `ncu` times of a kernel alone agree to 0.1% between calls).
+
 Guards against timing the wrong library: each worker checks that `jax_w4a8` and its compiled modules were
 imported from its folder (an editable install's import redirect is bypassed), that a source checkout's build
 is not stale, and reports the fingerprint of the ffi/ sources its modules were built from
@@ -128,8 +134,10 @@ def _cases(names):
     return out
 
 
-def worker(folder, names, timings, build_only=False):
-    """Runs in a fresh process with `folder` first on sys.path; prints one JSON object per line."""
+def worker(folder, names, timings, build_only=False, kernel_time=False):
+    """Runs in a fresh process with `folder` first on sys.path; prints one JSON object per line. With
+    `kernel_time`, each case's row also holds `kernel_us`: the device time per call in which some kernel ran, from
+    one more run of its timing loop under the JAX profiler (None where it records no device kernels: the CPU)."""
     import importlib
 
     # An editable install (scikit-build-core) redirects `import jax_w4a8` to its checkout ahead of sys.path.
@@ -142,6 +150,9 @@ def worker(folder, names, timings, build_only=False):
     import _common as C
 
     import jax_w4a8
+
+    if kernel_time:  # trace the CUDA graphs the timed loop runs, not their ops one by one (before the backend starts)
+        C.keep_command_buffers_while_profiling()
 
     home = pathlib.Path(folder).resolve()
     jax.devices()  # the platform modules register on import; the backend decides which one this worker runs
@@ -161,7 +172,12 @@ def worker(folder, names, timings, build_only=False):
     for label, fn, sets in _cases(names):
         times = [C.bench(fn, sets) * 1e6 for _ in range(timings)]
         out = np.asarray(jax.jit(fn)(*sets[0]), np.float32)
-        print(json.dumps({"case": label, "us": times, "checksum": float(np.abs(out).sum())}), flush=True)
+        row = {"case": label, "us": times, "checksum": float(np.abs(out).sum())}
+        if kernel_time:
+            run, n = C._device_loop(fn, sets, None, 5e-3, 200)
+            kernels = C.trace_kernels(run)
+            row["kernel_us"] = C.kernel_breakdown(kernels, repeats=n)[1] if kernels else None
+        print(json.dumps(row), flush=True)
     return 0
 
 
@@ -170,12 +186,13 @@ class WorkerTimeout(SystemExit):
     """A worker ran past its time (--timeout, or what --deadline left)."""
 
 
-def run_build(folder, names, timings, timeout):
+def run_build(folder, names, timings, timeout, kernel_time=False):
     """One worker process on `folder`'s library: (its build line, one row per case). No names: the build only."""
     path = [str(folder)] + [p for p in [os.environ.get("PYTHONPATH")] if p]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     cmd = [sys.executable, str(pathlib.Path(__file__).resolve()), "--worker", str(folder),
-           "--timings", str(timings)] + (["--cases", *names] if names else ["--build-only"])
+           "--timings", str(timings)] + (["--cases", *names] if names else ["--build-only"]) \
+        + (["--kernel-time"] if kernel_time else [])
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
@@ -203,15 +220,25 @@ def summarize(builds, results):
     """Markdown table: per case and build, the median of its processes' medians (each process's median in
     parentheses, in run order), the ratio to the first build's (starred where the two builds' processes do not
     overlap), and whether the checksums equal the first build's (if not, by how much relative to the largest: see
-    _spread)."""
+    _spread). Where the rows hold traced kernel times (--kernel-time), a second table gives those the same way."""
+    table = _table(builds, results, lambda r: statistics.median(r["us"]), "us")
+    names = list(builds)
+    if all(r.get("kernel_us") is not None for n in names for rows in results[n] for r in rows) and results[names[0]]:
+        table += ("\n\nKernel time per call (the device busy with some kernel, from a profiled run of the same "
+                  "loop):\n\n" + _table(builds, results, lambda r: r["kernel_us"], "kernel us"))
+    elif any("kernel_us" in r for n in names for rows in results[n] for r in rows):
+        table += "\n\nKernel time per call: no device kernels traced (a CPU run, or a profiler without CUPTI)."
+    return table
+
+
+def _table(builds, results, value, unit):
     names = list(builds)
     cases = list(dict.fromkeys(r["case"] for rows in results[names[0]] for r in rows))
-    lines = ["| case | " + " | ".join(f"{n} us" for n in names) + " | "
+    lines = ["| case | " + " | ".join(f"{n} {unit}" for n in names) + " | "
              + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " | outputs |",
              "|---" * (1 + 2 * len(names)) + "|"]
     for case in cases:
-        per = {n: [statistics.median(r["us"]) for rows in results[n] for r in rows if r["case"] == case]
-               for n in names}
+        per = {n: [value(r) for rows in results[n] for r in rows if r["case"] == case] for n in names}
         sums = {n: {r["checksum"] for rows in results[n] for r in rows if r["case"] == case} for n in names}
         med = {n: statistics.median(per[n]) for n in names}
         cells = [f"{med[n]:.1f} ({', '.join(f'{t:.1f}' for t in per[n])})" for n in names]
@@ -242,13 +269,16 @@ def main(argv=None):
     p.add_argument("--deadline", type=float, help="seconds for the whole run from its start: the first round "
                    "always runs, no later one starts that would end past it (judged by the slowest process so "
                    "far), workers get at most the time left; the summary covers the complete rounds")
+    p.add_argument("--kernel-time", action="store_true",
+                   help="also trace one more run of each case's loop (JAX profiler, CUPTI) and summarize the time "
+                        "per call in which kernels ran, without the gaps between them")
     p.add_argument("--out", help="folder for ab_builds.json")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--build-only", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     start = time.monotonic()
     if args.worker:
-        return worker(args.worker, args.cases, args.timings, args.build_only)
+        return worker(args.worker, args.cases, args.timings, args.build_only, args.kernel_time)
     builds = {}
     for spec in args.builds:
         name, sep, folder = spec.partition("=")
@@ -290,7 +320,7 @@ def main(argv=None):
                 t0 = time.monotonic()
                 left = time_left() if r > 0 else None  # the first round always runs (--timeout bounds it)
                 timeout = args.timeout if left is None else max(1.0, min(args.timeout, left))
-                info, rows = run_build(builds[n], args.cases, args.timings, timeout)
+                info, rows = run_build(builds[n], args.cases, args.timings, timeout, args.kernel_time)
                 slowest = max(slowest, time.monotonic() - t0)
                 if info["source_sha256"] != seen[n]["source_sha256"]:
                     raise SystemExit(f"build {n} changed during the run: {info['source_sha256']}")

@@ -141,6 +141,20 @@ def test_ab_builds_summary_medians_ratios_and_output_check():
     assert "| 0.841* | equal |" in ab.summarize({"a": ".", "b": "."}, results)
 
 
+def test_ab_builds_summary_of_traced_kernel_times():
+    """--kernel-time rows: the wall-clock table, then the same table over each process's traced kernel time."""
+    ab = _ab_module()
+    results = {"a": [[{"case": "c1", "us": [10.0, 12.0], "checksum": 5.0, "kernel_us": 8.0}],
+                     [{"case": "c1", "us": [11.0, 13.0], "checksum": 5.0, "kernel_us": 9.0}]],
+               "b": [[{"case": "c1", "us": [9.0, 9.5], "checksum": 5.0, "kernel_us": 6.0}],
+                     [{"case": "c1", "us": [8.0, 10.0], "checksum": 5.0, "kernel_us": 7.0}]]}
+    lines = ab.summarize({"a": ".", "b": "."}, results).splitlines()
+    assert lines[2] == "| c1 | 11.5 (11.0, 12.0) | 9.1 (9.2, 9.0) | 0.793* | equal |"
+    k = lines.index("| case | a kernel us | b kernel us | b / a | outputs |")
+    assert lines[k - 2].startswith("Kernel time per call (the device busy with some kernel")
+    assert lines[k + 2] == "| c1 | 8.5 (8.0, 9.0) | 6.5 (6.0, 7.0) | 0.765* | equal |"
+
+
 def test_ab_builds_refuses_one_library_given_twice(tmp_path):
     folder = _build_folder(tmp_path)
     r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny"])
@@ -152,7 +166,7 @@ def test_ab_builds_refuses_one_library_given_twice(tmp_path):
 def test_ab_builds_times_every_build_in_alternating_processes(tmp_path):
     folder = _build_folder(tmp_path)
     r = _run([os.path.join(BENCH, "ab_builds.py"), f"a={folder}", f"b={folder}", "--cases", "tiny", "--rounds", "2",
-              "--timings", "1", "--allow-same", "--out", str(tmp_path)])
+              "--timings", "1", "--allow-same", "--kernel-time", "--out", str(tmp_path)])
     assert r.returncode == 0, r.stderr[-2000:]
     order = [line.split(":")[0] for line in r.stdout.splitlines() if line.startswith("round")]
     assert order == ["round 0 a", "round 0 b", "round 1 b", "round 1 a"]
@@ -163,6 +177,10 @@ def test_ab_builds_times_every_build_in_alternating_processes(tmp_path):
             ["tiny grouped M=16", "tiny einsum M=8"]] * 2
         assert all(len(row["us"]) == 1 and row["us"][0] > 0 for rnd in data["results"][name] for row in rnd)
     assert data["table"].count("| equal |") == 2
+    # --kernel-time: one profiled loop per case; the CPU records no device kernels, and the summary says so
+    assert all(row["kernel_us"] is None for name in ("a", "b") for rnd in data["results"][name] for row in rnd)
+    assert data["table"].endswith("Kernel time per call: no device kernels traced (a CPU run, or a profiler without "
+                                  "CUPTI).")
 
 
 def test_ab_builds_worker_timeout_keeps_the_complete_rounds(tmp_path, monkeypatch, capsys):
@@ -176,7 +194,7 @@ def test_ab_builds_worker_timeout_keeps_the_complete_rounds(tmp_path, monkeypatc
         folders.append(f"{name}={tmp_path / name}")
     calls = []
 
-    def fake_run_build(folder, names, timings, timeout):
+    def fake_run_build(folder, names, timings, timeout, kernel_time=False):
         info = {"module": "m", "platform": "cpu", "source_sha256": "s"}
         if names:
             calls.append(pathlib.Path(folder).name)
