@@ -20,7 +20,7 @@ the thirty-third session lost a 400 s A/B that way).
 adds a second table of the time per call in which some kernel ran: the kernels' own time, without the gaps and
 launches between them. Where builds differ in the first table but not in the second, the difference is not in the
 kernels (the fifty-fourth session's H100 A/B timed one kernel, identical in two builds, 8% apart between processes,
-while `ncu` times of a kernel alone agree to 0.1% between calls).
+while three `ncu` times of one kernel alone, in three calls, were 186.4-188.4 us).
 
 Guards against timing the wrong library: each worker checks that `jax_w4a8` and its compiled modules were
 imported from its folder (an editable install's import redirect is bypassed), that a source checkout's build
