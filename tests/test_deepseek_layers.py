@@ -667,7 +667,7 @@ def test_experts_fused_up_with_static_scales_off_hopper(rng, impl):
     got, _ = _run_experts(m, x, sizes)
     _check_experts_against_row_loop(m, x, sizes, got)
     _check_experts_against_row_loop(m, x, sizes, unfused)
-    assert 0 < rel(got, unfused) < 3e-2      # not the same program: h rounded to bf16 or not
+    assert 0 < rel(got, unfused) < 4e-2      # not the same program: h rounded to bf16 or not (60 seeds: 0.6-1.8%)
 
 
 @pytest.mark.skipif(not ffi_available("cuda"), reason=ffi_available("cuda").reason)
@@ -713,9 +713,10 @@ def test_experts_moe_up_lowers_to_the_fused_kernel_for_cuda():
 
 def _check_experts_against_row_loop(m, x, sizes, got):
     """bf16 output (2^-9 relative per element), and e4m3 codes of x and h that flip to a neighbour where float32
-    and float64 round differently (gate and up also rounded to bf16 when unfused): the unfused path on CPU gave
-    whole-output errors of 1.0-1.9% and row medians of 0.4-0.9% (six seeds, 40 to 512 rows, dynamic scales);
-    with static scales 0.9-1.7% and 0.6-1.1% unfused, 1.0-1.5% and 0.6-0.9% fused (five seeds)."""
+    and float64 round differently (gate and up also rounded to bf16 when unfused; about ten of a row's 256 h codes
+    move a step, about 2% of the row). CPU, 60 seeds of 37-40 rows: whole-output errors up to 2.0% (dynamic
+    scales) and 2.2% (static, unfused and fused), row medians up to 1.5% and 1.3%; the bounds are about twice
+    that (a wrong scale, row or expert is off by tens of percent)."""
     if m.act_scale == "static":
         scales = (np.float32(np.max(m.gate_up_proj_input_scale[...])), np.float32(np.max(m.down_proj_input_scale[...])))
         ref = np_experts(m, np.asarray(x, np.float32), np.asarray(sizes), "static", static=scales)
@@ -723,7 +724,7 @@ def _check_experts_against_row_loop(m, x, sizes, got):
         ref = np_experts(m, np.asarray(x, np.float32), np.asarray(sizes), "fp8", ue8m0=True)
     assert got.shape == ref.shape and np.isfinite(got).all()
     row_rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
-    assert rel(got, ref) < 3e-2 and np.median(row_rel) < 1.5e-2, (rel(got, ref), np.median(row_rel))
+    assert rel(got, ref) < 4e-2 and np.median(row_rel) < 3e-2, (rel(got, ref), np.median(row_rel))
 
 
 def test_experts_bf16_unfused_up_matches_the_float64_row_loop(rng):
@@ -753,7 +754,7 @@ def test_experts_fused_up_matches_the_float64_row_loop_on_gpu(rng, rows, scales)
     assert sorted(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text)) == want
     _check_experts_against_row_loop(m, x, sizes, got)
     _check_experts_against_row_loop(m, x, sizes, unfused)
-    assert rel(got, unfused) < 3e-2
+    assert rel(got, unfused) < 4e-2
 
 
 def test_moe_quantizes_its_tokens_once(rng):

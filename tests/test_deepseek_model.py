@@ -254,7 +254,9 @@ def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse
     logits stay close (gate and up are no longer rounded to bf16 before SiLU-mul). Static activation scales (a
     W4AFP8 checkpoint's ``input_scale``) fuse too."""
     on_gpu = device.platform == "gpu"
-    cfg = DeepseekConfig.from_dict(TINY128)
+    # one dense layer, then one MoE layer, the last: no routing decision sees the difference between fused and
+    # unfused (with a MoE layer after it, a top-k choice that flipped moved the logits by up to 25%; here 0.3-0.7%)
+    cfg = DeepseekConfig.from_dict(dict(TINY128, num_hidden_layers=2))
     with jax.default_device(device):
         model = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(ue8m0=True), dtype=jnp.bfloat16,
                                       rngs=nnx.Rngs(int(rng.integers(1 << 30))))
@@ -270,7 +272,7 @@ def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse
             got = np.asarray(jit_forward(model)(ids), np.float32)
             assert ("w4a8_moe_up" in _forward_targets(model, ids)) == on_gpu
             if on_gpu:
-                assert np.isfinite(got).all() and np.linalg.norm(got - want) < 5e-2 * np.linalg.norm(want)
+                assert np.isfinite(got).all() and np.linalg.norm(got - want) < 3e-2 * np.linalg.norm(want)
             else:
                 np.testing.assert_array_equal(got, want)
         with pytest.raises(ValueError, match="implementation"):
@@ -286,7 +288,7 @@ def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse
         got = np.asarray(jit_forward(static.set_moe_up("fused"))(ids), np.float32)
         assert ("w4a8_moe_up" in _forward_targets(static, ids)) == on_gpu
         # h no longer rounded to bf16 (on the CPU too: the composed static path quantizes float32 h)
-        assert np.isfinite(got).all() and 0 < np.linalg.norm(got - want) < 5e-2 * np.linalg.norm(want)
+        assert np.isfinite(got).all() and 0 < np.linalg.norm(got - want) < 3e-2 * np.linalg.norm(want)
 
 
 # ----------------------------------------------------------------------------------------------
