@@ -240,18 +240,14 @@ def main(argv=None) -> int:
         warnings.simplefilter("ignore", DeprecationWarning)
         model = load_checkpoint(ckpt, quantize=None if quantize == "none" else quantize,
                                 dtype=jnp.dtype(args.dtype), progress=True)
-    if args.attention is not None:
-        try:
-            model.set_attention(args.attention)
-        except ValueError as e:
-            print(f"error: --attention: {e}", file=sys.stderr)
-            return 2
-    if args.moe_up is not None:
-        try:
-            model.set_moe_up(args.moe_up)
-        except ValueError as e:
-            print(f"error: --moe-up: {e}", file=sys.stderr)
-            return 2
+    for flag, value, choose in (("--attention", args.attention, model.set_attention),
+                                ("--moe-up", args.moe_up, model.set_moe_up)):
+        if value is not None:
+            try:
+                choose(value)
+            except ValueError as e:
+                print(f"error: {flag}: {e}", file=sys.stderr)
+                return 2
     print(f"loaded {ckpt} in {time.perf_counter() - t0:.1f} s: {_describe(model)}; "
           f"prefill attention {model.model.layers[0].self_attn.attention}")
     eos = _eos_ids(ckpt, tokenizer, tok_cfg, model.cfg)

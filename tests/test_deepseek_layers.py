@@ -419,12 +419,15 @@ def _small_config(**overrides):
         first_k_dense_replace=1), **overrides))
 
 
+def custom_calls(text):
+    """The jax_w4a8 custom-call targets of a lowered program's text, sorted (``jax_w4a8_`` prefix dropped)."""
+    return sorted(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text))
+
+
 def _calls(fn, *args):
     """Custom-call targets of ``fn``'s lowered program, counted (``jax_w4a8_`` prefix dropped)."""
     import collections
-    import re
-    text = jax.jit(fn).lower(*args).as_text()
-    return collections.Counter(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text))
+    return collections.Counter(custom_calls(jax.jit(fn).lower(*args).as_text()))
 
 
 @pytest.mark.parametrize("rows,quant,ue8m0", [((128, 72), "fp8", False), ((256, 130), "fp8", True),
@@ -678,16 +681,19 @@ def test_experts_moe_up_lowers_to_the_fused_kernel_for_cuda():
     ``moe_up`` (float32 activation scales here). Rows arrive quantized, as MoE passes them."""
     fusable = _fusable_experts(0, e=8)
     other = layers.Experts(8, 256, 256, quant="w4a8", dtype=jnp.bfloat16, ue8m0=False, rngs=nnx.Rngs(0))
+    static = _static_experts(np.random.default_rng(0), 0)           # x and h quantized per tensor, in XLA
 
     def targets(impl, rows, m=fusable):
         m.moe_up = impl
         graphdef, state = nnx.split(m)
-        fn = jax.jit(lambda st, a, s, g: nnx.merge(graphdef, st)((a, s), g))
-        args = (jax.ShapeDtypeStruct((rows, m.hidden), jnp.float8_e4m3fn),
-                jax.ShapeDtypeStruct((rows, m.hidden // 128), jnp.float32), jax.ShapeDtypeStruct((8,), jnp.int32))
+        fn = jax.jit(lambda st, a, g: nnx.merge(graphdef, st)(a, g))
+        x = jax.ShapeDtypeStruct((rows, m.hidden), jnp.bfloat16)
+        if m.quantizes_input:  # (codes, scales), as MoE passes them
+            x = (jax.ShapeDtypeStruct((rows, m.hidden), jnp.float8_e4m3fn),
+                 jax.ShapeDtypeStruct((rows, m.hidden // 128), jnp.float32))
         text = jax.export.export(fn, platforms=["cuda"], disabled_checks=export_disabled_checks())(
-            state, *args).mlir_module()
-        return sorted(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text))
+            state, x, jax.ShapeDtypeStruct((8,), jnp.int32)).mlir_module()
+        return custom_calls(text)
 
     fused = ["w4a8_grouped_gemm", "w4a8_moe_up"]                       # the down projection, the fused up
     unfused = ["quantize_fp8_groups", "w4a8_grouped_gemm", "w4a8_grouped_gemm"]
@@ -696,16 +702,8 @@ def test_experts_moe_up_lowers_to_the_fused_kernel_for_cuda():
     assert targets("auto", 8 * 64) == fused and targets("auto", 8 * 65) == unfused
     assert targets("fused", 64, other) == unfused and targets("auto", 64, other) == unfused
 
-    static = _static_experts(np.random.default_rng(0), 0)           # x and h quantized per tensor, in XLA
-
     def static_targets(impl, rows):
-        static.moe_up = impl
-        graphdef, state = nnx.split(static)
-        fn = jax.jit(lambda st, a, g: nnx.merge(graphdef, st)(a, g))
-        args = (jax.ShapeDtypeStruct((rows, static.hidden), jnp.bfloat16), jax.ShapeDtypeStruct((8,), jnp.int32))
-        text = jax.export.export(fn, platforms=["cuda"], disabled_checks=export_disabled_checks())(
-            state, *args).mlir_module()
-        return sorted(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text))
+        return targets(impl, rows, static)
 
     assert static_targets("unfused", 64) == ["w4a8_grouped_gemm", "w4a8_grouped_gemm"]
     assert static_targets("auto", 64) == fused and static_targets("auto", 8 * 65) == ["w4a8_grouped_gemm"] * 2
@@ -751,7 +749,7 @@ def test_experts_fused_up_matches_the_float64_row_loop_on_gpu(rng, rows, scales)
     # the fused kernel and the down projection (dynamic scales: after the input quantizer); no silu-mul quantizer
     want = ["w4a8_grouped_gemm", "w4a8_moe_up"] if scales == "static" else \
         ["quantize_fp8_groups", "w4a8_grouped_gemm", "w4a8_moe_up"]
-    assert sorted(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text)) == want
+    assert custom_calls(text) == want
     _check_experts_against_row_loop(m, x, sizes, got)
     _check_experts_against_row_loop(m, x, sizes, unfused)
     assert rel(got, unfused) < 4e-2

@@ -25,8 +25,8 @@ from safetensors.numpy import save_file
 
 from jax_w4a8.models.deepseek import (DeepseekConfig, DeepseekV3ForCausalLM, QuantConfig, forward, jit_forward,
                                       layers, load_checkpoint, save_checkpoint)
-from test_deepseek_layers import (FIXTURES, GOLDEN, _np_router_margins, load_np_reference, np_dequant_blocks,
-                                  np_dequant_w4, np_e4m3, np_fake_quant_fp8, np_fake_quant_tensor)
+from test_deepseek_layers import (FIXTURES, GOLDEN, _np_router_margins, custom_calls, load_np_reference,
+                                  np_dequant_blocks, np_dequant_w4, np_e4m3, np_fake_quant_fp8, np_fake_quant_tensor)
 
 # Bounds, measured on the four fixtures (transformers 5.17, CPU): see the report printed by each test.
 FP32_REL_MAX = 1e-4           # SPEC 7: max |ours - hf| / max |hf|   (measured <= 8.1e-7)
@@ -242,10 +242,8 @@ def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch
 
 def _forward_targets(model, ids):
     """The jax_w4a8 custom calls of the model's jitted forward, as lowered for the default device."""
-    import re
     graphdef, state = nnx.split(model)
-    text = forward.lower(graphdef, state, ids, None, False).as_text()
-    return sorted(set(re.findall(r"stablehlo\.custom_call @jax_w4a8_(\w+)", text)))
+    return custom_calls(forward.lower(graphdef, state, ids, None, False).as_text())
 
 
 def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse(rng, device):
