@@ -172,9 +172,9 @@ def main(argv=None) -> int:
                         "scores in memory, transformers' numerics) or cudnn (cuDNN's fused flash attention, bf16 "
                         "on a GPU)")
     p.add_argument("--moe-up", choices=["unfused", "fused", "auto"], default=None,
-                   help="how W4A8 routed experts with static or UE8M0 activation scales form the down "
-                        "projection's input: unfused (the default: gate+up GEMM to bf16, then SiLU-mul and "
-                        "quantizer), fused (one Hopper kernel) or auto (fused for decode-sized batches)")
+                   help="how W4A8 routed experts form the down projection's input (bf16 models): "
+                        "unfused (the default: gate+up GEMM to bf16, then SiLU-mul and quantizer), fused (one "
+                        "Hopper kernel) or auto (fused for decode-sized batches)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")

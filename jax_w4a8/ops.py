@@ -498,7 +498,7 @@ def _fused_up_supported(num_experts: int) -> bool:
         return True
 
 
-def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None, impl="auto",
+def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None, ue8m0=True, impl="auto",
                 rows_per_expert=None, tile_tokens=None, mma=None, fused=None):
     """MoE gate+up grouped GEMM fused with SiLU(gate) * up and fp8 quantization for the down projection.
 
@@ -508,8 +508,8 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
 
     * ``down_input_scale`` given (static, the checkpoint's per-tensor ``input_scale`` of w2):
       ``h8 = e4m3(clip(h / s))``, returned with ``s``;
-    * ``down_input_scale=None`` (dynamic): per token and 128 channels, ``s = ceil_to_ue8m0(max(amax,
-      1e-4) / 448)`` rounded *before* quantizing, ``h8 = e4m3(h / s)``.
+    * ``down_input_scale=None`` (dynamic): per token and 128 channels, ``s = max(amax, 1e-4) / 448``, with
+      ``ue8m0`` (the default) rounded up to a power of two *before* quantizing, ``h8 = e4m3(h / s)``.
 
     On Hopper the CUDA kernel does this in the GEMM epilogue, so the [M, 2I] intermediate never goes
     to memory, up to 64 expected rows per expert. Above (where its 64-token tiles lose to the grouped
@@ -522,6 +522,7 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
       x, x_scale, group_sizes: as :func:`w4a8_grouped_gemm`.
       w13: int8 packed int4 [E, 2I, K/2], gate rows first; w13_scale: float32/bfloat16 [E, 2I, K/128].
       down_input_scale: optional float32 scalar, positive and finite (checked where it is concrete).
+      ue8m0: dynamic scales are powers of two (True, the default) or float32 (False).
       rows_per_expert, tile_tokens: the fused kernel's tile plan, as :func:`w4a8_grouped_gemm` (token
         tiles 8 (f16 only), 16, 32 or 64); mma: its tensor-core operand format, None (the plan: f16 up to
         64 rows per expert), "e4m3" (token tiles 16, 32, 64) or "f16" (all four); see
@@ -542,6 +543,7 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     op = "w4a8_moe_up"
     _check_impl(op, impl)
     _check_group_sizes_dtype(op, group_sizes)
+    ue8m0 = _check_flag(op, "ue8m0", ue8m0)
     w13 = jnp.asarray(w13)
     if w13.ndim != 3 or w13.shape[1] % 2 or w13.shape[1] == 0:
         _fail(op, "w13", f"must be [E, 2I, K/2] with gate rows then up rows, got shape {w13.shape}")
@@ -568,7 +570,7 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
                               rows_per_expert=rows_per_expert)
         if static:
             return quant.quantize_fp8_tensor(_silu_mul(y), down_input_scale), down_input_scale
-        return silu_mul_quantize_fp8_groups(y, ue8m0=True, impl=ffi_impl)
+        return silu_mul_quantize_fp8_groups(y, ue8m0=ue8m0, impl=ffi_impl)
 
     # Validation of every other argument happens here, at trace time (the grouped GEMM's errors renamed to this
     # op's arguments); the plan options are checked on every path, also where the fused kernel does not run.
@@ -585,7 +587,8 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     except ValueError as exc:
         raise ValueError(f"{op}: {exc}") from None
     if impl == "reference":
-        return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale)
+        return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale,
+                                     ue8m0=ue8m0)
     if plan.kernel == "unfused" or inter % 128 or not _fused_up_supported(e):  # static scale, I % 128: composed
         return unfused(impl)
     x_scale = jnp.asarray(x_scale)
@@ -599,7 +602,7 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     def cuda_fn(*args):
         h8, hs, _ = jax.ffi.ffi_call(TARGETS["w4a8_moe_up"], types, vmap_method="sequential")(
             *args, tile_tokens=np.int32(plan.tile_tokens), static_scale=static,
-            mma=np.int32(tiling.MMAS.index(plan.mma)))
+            mma=np.int32(tiling.MMAS.index(plan.mma)), ue8m0=ue8m0)
         return (h8, hs.reshape(())) if static else (h8, hs)
 
     def other_fn(*args):

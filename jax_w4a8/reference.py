@@ -100,14 +100,14 @@ def fp8_einsum(x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16):
     return out.astype(out_dtype)
 
 
-def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None):
+def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=None, ue8m0=True):
     """The fused MoE up-projection, unfused in fp32 (see :func:`jax_w4a8.ops.w4a8_moe_up`): x e4m3 [M, K] with
     its scale, w13 packed int4 [E, 2I, K/2] (gate rows, then up rows) with w13_scale [E, 2I, K/128], group_sizes
     int32 [E] -> (e4m3 [M, I], float32 [M, I/128] scales, or the static scalar ``down_input_scale``).
 
     ``h = silu(gate) * up`` from the float32 grouped GEMM (gate rows [0, I), up rows [I, 2I) of w13),
     then fp8 codes: per tensor with ``down_input_scale``, else per token and 128 channels with UE8M0
-    scales. Rows not owned by any expert have h = 0.
+    (``ue8m0``) or float32 scales. Rows not owned by any expert have h = 0.
     """
     y = w4a8_grouped_gemm(x, x_scale, w13, w13_scale, group_sizes, out_dtype=jnp.float32)
     inter = y.shape[-1] // 2
@@ -115,4 +115,4 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     if down_input_scale is not None:
         s = jnp.asarray(down_input_scale, jnp.float32).reshape(())
         return quant.quantize_fp8_tensor(h, s), s
-    return quant.quantize_fp8_groups(h, ue8m0=True)
+    return quant.quantize_fp8_groups(h, ue8m0=ue8m0)

@@ -605,8 +605,8 @@ def test_w4a8_experts_take_rows_quantized_before_the_gather(rng, ue8m0):
         layers.Experts(8, 256, 128, quant="none", rngs=nnx.Rngs(0))(m.quantize_input(x), jnp.zeros(8, jnp.int32))
 
 
-def _fusable_experts(seed, e=8, d=256, i=256):
-    m = layers.Experts(e, d, i, quant="w4a8", dtype=jnp.bfloat16, ue8m0=True, rngs=nnx.Rngs(seed))
+def _fusable_experts(seed, e=8, d=256, i=256, ue8m0=True):
+    m = layers.Experts(e, d, i, quant="w4a8", dtype=jnp.bfloat16, ue8m0=ue8m0, rngs=nnx.Rngs(seed))
     assert m.can_fuse_up and m.moe_up == "unfused"                   # the default
     return m
 
@@ -627,13 +627,12 @@ def _static_experts(rng, seed, e=8, d=256, i=256, dtype=jnp.bfloat16):
     return m
 
 
-def test_experts_can_fuse_up_with_static_or_dynamic_ue8m0_scales_in_bf16():
+def test_experts_can_fuse_up_w4a8_in_bf16_with_any_activation_scales():
     ok = dict(quant="w4a8", dtype=jnp.bfloat16, ue8m0=True)
-    assert layers.Experts(4, 256, 128, **ok, rngs=nnx.Rngs(0)).can_fuse_up
     static = dict(ue8m0=False, act_scale="static", input_scales=True)
-    assert layers.Experts(4, 256, 128, **{**ok, **static}, rngs=nnx.Rngs(0)).can_fuse_up
-    for change in (dict(ue8m0=False), dict(dtype=jnp.float32), dict(quant="fp8"), dict(quant="none"),
-                   dict(static, dtype=jnp.float32)):
+    for scales in (dict(), dict(ue8m0=False), static):
+        assert layers.Experts(4, 256, 128, **{**ok, **scales}, rngs=nnx.Rngs(0)).can_fuse_up, scales
+    for change in (dict(dtype=jnp.float32), dict(quant="fp8"), dict(quant="none"), dict(static, dtype=jnp.float32)):
         assert not layers.Experts(4, 256, 128, **{**ok, **change}, rngs=nnx.Rngs(0)).can_fuse_up, change
 
 
@@ -644,12 +643,13 @@ def _run_experts(m, x, sizes):
     return np.asarray(fn(state, x, sizes), np.float32), fn.lower(state, x, sizes).as_text()
 
 
+@pytest.mark.parametrize("ue8m0", [True, False])
 @pytest.mark.parametrize("impl", ["fused", "auto"])
-def test_experts_fused_up_off_hopper_is_the_unfused_sequence(rng, impl):
+def test_experts_fused_up_off_hopper_is_the_unfused_sequence(rng, impl, ue8m0):
     """Off Hopper ``ops.w4a8_moe_up`` composes the ops the unfused path runs (the grouped GEMM to bf16, then
     SiLU-mul and the quantizer in one pass): the same weights, scales and rows give the same bits. (On the CPU,
     also on a GPU host; the GPU test below runs the fused kernel.)"""
-    m = _fusable_experts(int(rng.integers(1 << 30)))
+    m = _fusable_experts(int(rng.integers(1 << 30)), ue8m0=ue8m0)
     x, sizes = _expert_rows(rng, m, 37)
     want, _ = _run_experts(m, x, sizes)
     m.moe_up = impl
@@ -678,9 +678,9 @@ def test_experts_moe_up_lowers_to_the_fused_kernel_for_cuda():
     """What each ``moe_up`` puts in the program XLA gets for a GPU (lowered for CUDA here, through jax.export):
     "fused" the fused up-projection; "auto" the same up to 64 expected rows per expert and the unfused pair
     above; "unfused" the grouped GEMM and the silu-mul quantizer, as experts that cannot fuse do whatever their
-    ``moe_up`` (float32 activation scales here). Rows arrive quantized, as MoE passes them."""
+    ``moe_up`` (a float32 module here). Rows arrive quantized, as MoE passes them."""
     fusable = _fusable_experts(0, e=8)
-    other = layers.Experts(8, 256, 256, quant="w4a8", dtype=jnp.bfloat16, ue8m0=False, rngs=nnx.Rngs(0))
+    other = layers.Experts(8, 256, 256, quant="w4a8", dtype=jnp.float32, ue8m0=True, rngs=nnx.Rngs(0))
     static = _static_experts(np.random.default_rng(0), 0)           # x and h quantized per tensor, in XLA
 
     def targets(impl, rows, m=fusable):
@@ -719,7 +719,7 @@ def _check_experts_against_row_loop(m, x, sizes, got):
         scales = (np.float32(np.max(m.gate_up_proj_input_scale[...])), np.float32(np.max(m.down_proj_input_scale[...])))
         ref = np_experts(m, np.asarray(x, np.float32), np.asarray(sizes), "static", static=scales)
     else:
-        ref = np_experts(m, np.asarray(x, np.float32), np.asarray(sizes), "fp8", ue8m0=True)
+        ref = np_experts(m, np.asarray(x, np.float32), np.asarray(sizes), "fp8", ue8m0=m.ue8m0)
     assert got.shape == ref.shape and np.isfinite(got).all()
     row_rel = np.linalg.norm(got - ref, axis=1) / np.linalg.norm(ref, axis=1)
     assert rel(got, ref) < 4e-2 and np.median(row_rel) < 3e-2, (rel(got, ref), np.median(row_rel))
@@ -733,15 +733,15 @@ def test_experts_bf16_unfused_up_matches_the_float64_row_loop(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scales", ["dynamic", "static"])
+@pytest.mark.parametrize("scales", ["ue8m0", "float32", "static"])
 @pytest.mark.parametrize("rows", [40, 8 * 16, 8 * 64])
 def test_experts_fused_up_matches_the_float64_row_loop_on_gpu(rng, rows, scales):
     """The fused up-projection inside the experts on a GPU (8-, 16- and 64-token tiles of the fused kernel; its
-    UE8M0 dynamic scales and its static one) against the float64 row loop over the stored formats, and near the
-    unfused path on the same rows."""
+    dynamic scales of both kinds and its static one) against the float64 row loop over the stored formats, and
+    near the unfused path on the same rows."""
     gpu = jax.devices("gpu")[0]
     seed = int(rng.integers(1 << 30))
-    m = _fusable_experts(seed) if scales == "dynamic" else _static_experts(rng, seed)
+    m = _static_experts(rng, seed) if scales == "static" else _fusable_experts(seed, ue8m0=scales == "ue8m0")
     x, sizes = jax.device_put(_expert_rows(rng, m, rows), gpu)
     unfused, _ = _run_experts(m, x, sizes)
     m.moe_up = "fused"

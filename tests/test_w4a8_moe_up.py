@@ -30,12 +30,26 @@ def run_up(fn, args, device, static):
                         args, device)
 
 
-def check(h8, scale, args, static_scale=None, covered=None):
+SCALES = ["ue8m0", "float32", "static"]  # the down projection's input scales: dynamic (two kinds) or per tensor
+
+
+def scale_args(kind, args, divisor=448):
+    """(ops.w4a8_moe_up's scale keywords, the static scale or None) for a kind of SCALES; the static scale is
+    float64 h's maximum over ``divisor`` (below 448: some values saturate)."""
+    s = np.float32(np.abs(np_moe_up(args)).max() / divisor) if kind == "static" else None
+    return dict(down_input_scale=s, ue8m0=kind != "float32"), s
+
+
+def check(h8, scale, args, static_scale=None, covered=None, ue8m0=True):
     h = np_moe_up(args)
     codes = np.asarray(h8).astype(np.float64)
     s = np.asarray(scale, np.float64)
     if static_scale is not None:
         assert np.all(s == np.float64(static_scale))
+    elif not ue8m0:  # max(amax, 1e-4) / 448 of the op's own h (float32 sums; bfloat16 gate and up when composed)
+        amax = np.maximum(np.abs(h).reshape(h.shape[0], -1, 128).max(-1), 1e-4)
+        assert not np.asarray(quant.is_ue8m0_exact(scale)).all()
+        assert np.all(np.abs(s - amax / 448) <= 2.0**-6 * amax / 448)
     else:
         assert np.asarray(quant.is_ue8m0_exact(scale)).all()
         amax = np.maximum(np.abs(h).reshape(h.shape[0], -1, 128).max(-1), 1e-4)
@@ -57,16 +71,16 @@ def check(h8, scale, args, static_scale=None, covered=None):
         assert (codes[covered:] == 0).all()
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_matches_float64(rng, device, static):
+@pytest.mark.parametrize("scales", SCALES)
+def test_matches_float64(rng, device, scales):
     m, k, inter = 50, 256, 128
     args = make_case(rng, m, k, 2 * inter, [20, 0, 25])  # 5 padding rows
-    s = np.float32(np.abs(np_moe_up(args)).max() / 448) if static else None
-    f = functools.partial(ops.w4a8_moe_up, down_input_scale=s)
+    kw, s = scale_args(scales, args)
+    f = functools.partial(ops.w4a8_moe_up, **kw)
     assert jax.eval_shape(f, *args)[0] == jax.ShapeDtypeStruct((m, inter), jnp.float8_e4m3fn)
-    h8, scale = run_up(f, args, device, static)
-    check(h8, scale, args, s, covered=45)
-    r8, rs = ops.w4a8_moe_up(*args, down_input_scale=s, impl="reference")
+    h8, scale = run_up(f, args, device, s is not None)
+    check(h8, scale, args, s, covered=45, ue8m0=kw["ue8m0"])
+    r8, rs = ops.w4a8_moe_up(*args, **kw, impl="reference")
     same = np.mean(np.asarray(r8).view(np.uint8) == np.asarray(h8).view(np.uint8))
     # codes differ only where float32 summation order (the fused kernel) or, in the composed ops (the CPU), the
     # bfloat16 rounding of gate and up crosses an e4m3 rounding boundary: about 2% of them there
@@ -76,31 +90,31 @@ def test_matches_float64(rng, device, static):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma", [(16, "e4m3"), (32, "e4m3"), (64, "e4m3"), (8, "f16"), (16, "f16"),
                                              (32, "f16"), (64, "f16")])
-@pytest.mark.parametrize("static", [False, True])
-def test_fused_kernel_every_tile(rng, device, tile_tokens, mma, static):
+@pytest.mark.parametrize("scales", SCALES)
+def test_fused_kernel_every_tile(rng, device, tile_tokens, mma, scales):
     if device.platform != "gpu":
         pytest.skip("the fused kernel is CUDA only")
     m, k, inter = 300, 1024, 256
     args = make_case(rng, m, k, 2 * inter, [120, 0, 90, 3, 60, -2])
-    s = np.float32(np.abs(np_moe_up(args)).max() / 300) if static else None  # some values saturate
-    fn = functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=tile_tokens, mma=mma)
+    kw, s = scale_args(scales, args, divisor=300)  # static: some values saturate
+    fn = functools.partial(ops.w4a8_moe_up, **kw, tile_tokens=tile_tokens, mma=mma)
     text = jax.jit(fn).lower(*args).as_text()
     assert "jax_w4a8_w4a8_moe_up" in text
-    h8, scale = run_up(fn, args, device, static)
-    if static:
+    h8, scale = run_up(fn, args, device, s is not None)
+    if s is not None:
         assert np.isfinite(np.asarray(h8).astype(np.float32)).all()
         h = np_moe_up(args)
         deq = np.asarray(h8).astype(np.float64) * s
         clipped = np.clip(h, -448 * s, 448 * s)
         assert np_ref.rel_err(deq, clipped) <= 0.04
     else:
-        check(h8, scale, args, covered=273)
+        check(h8, scale, args, covered=273, ue8m0=kw["ue8m0"])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tile_tokens, mma", [(16, "f16"), (32, "e4m3"), (64, "f16")])
-@pytest.mark.parametrize("static", [False, True])
-def test_fused_kernel_many_units_per_block(rng, device, tile_tokens, mma, static):
+@pytest.mark.parametrize("scales", SCALES)
+def test_fused_kernel_many_units_per_block(rng, device, tile_tokens, mma, scales):
     """Hundreds of units over the resident blocks, every code of the routed rows checked: within half an e4m3
     step of float64's h (plus half a subnormal step) and the summation error the kernel's float32 / f16-operand
     sums can make, bounded through h = silu(g) u by 2^-12 of the |terms| sums of g and u; the padding rows zero.
@@ -110,11 +124,10 @@ def test_fused_kernel_many_units_per_block(rng, device, tile_tokens, mma, static
     m, k, inter = 4096, 256, 1024
     sizes = list(rng.multinomial(m - 40, np.full(32, 1 / 32)))  # 40 padding rows
     args = make_case(rng, m, k, 2 * inter, sizes)
-    h = np_moe_up(args)
-    s = np.float32(np.abs(h).max() / 448) if static else None  # static: one per-tensor scale, nothing saturates
-    fn = functools.partial(ops.w4a8_moe_up, down_input_scale=s, tile_tokens=tile_tokens, mma=mma)
-    h8, scale = run_up(fn, args, device, static)
-    check(h8, scale, args, s, covered=m - 40)
+    kw, s = scale_args(scales, args)  # static: one per-tensor scale, nothing saturates
+    fn = functools.partial(ops.w4a8_moe_up, **kw, tile_tokens=tile_tokens, mma=mma)
+    h8, scale = run_up(fn, args, device, s is not None)
+    check(h8, scale, args, s, covered=m - 40, ue8m0=kw["ue8m0"])
     check_every_code(h8, scale, args, s, m - 40)
 
 
@@ -187,6 +200,8 @@ def test_bad_inputs(rng):
         ops.w4a8_moe_up(*args, mma="bf16", impl="reference")
     with pytest.raises(ValueError, match="'fused'"):
         ops.w4a8_moe_up(*args, fused="yes")
+    with pytest.raises(TypeError, match="argument 'ue8m0'"):
+        ops.w4a8_moe_up(*args, ue8m0="yes")
     with pytest.raises(ValueError, match="'tile_tokens' and 'mma'.*fused=False"):
         ops.w4a8_moe_up(*args, tile_tokens=16, fused=False)
     # a static scale must be positive and finite where it is known (h / s is quantized); traced, it is data
@@ -227,8 +242,8 @@ def test_dynamic_scales_need_i_a_multiple_of_128(rng):
     assert np.mean(np.abs(got - np.clip(want, -448, 448)) <= 0.0625 * np.abs(want) + 2.0**-10 * 8) > 0.95
 
 
-@pytest.mark.parametrize("static", [False, True])
-def test_many_rows_per_expert_take_the_composed_ops(rng, device, static):
+@pytest.mark.parametrize("scales", SCALES)
+def test_many_rows_per_expert_take_the_composed_ops(rng, device, scales):
     """Above FUSED_UP_MAX_ROWS expected rows per expert the op composes the grouped GEMM (bfloat16 out) and
     silu_mul_quantize_fp8_groups (the fused kernel's 64-token tiles lose there): checked against float64 and, on
     the GPU, against the fused kernel forced on the same inputs (codes equal but where the bfloat16 rounding of
@@ -239,16 +254,17 @@ def test_many_rows_per_expert_take_the_composed_ops(rng, device, static):
     m, k, inter, sizes = 420, 256, 128, [200, 0, 130, 80]  # 105 expected rows per expert; 10 padding rows
     assert tiling.plan_moe_up(m, len(sizes), inter, k).kernel == "unfused"
     args = make_case(rng, m, k, 2 * inter, sizes)
-    s = np.float32(np.abs(np_moe_up(args)).max() / 448) if static else None
-    composed = functools.partial(ops.w4a8_moe_up, down_input_scale=s)
+    kw, s = scale_args(scales, args)
+    static = s is not None
+    composed = functools.partial(ops.w4a8_moe_up, **kw)
     assert "jax_w4a8_w4a8_moe_up" not in jax.jit(composed).lower(*args).as_text()
     h8, scale = run_up(composed, args, device, static)
-    check(h8, scale, args, s, covered=410)
+    check(h8, scale, args, s, covered=410, ue8m0=kw["ue8m0"])
     if device.platform == "gpu":
-        other = functools.partial(ops.w4a8_moe_up, down_input_scale=s, fused=True)
+        other = functools.partial(ops.w4a8_moe_up, **kw, fused=True)
         assert "jax_w4a8_w4a8_moe_up" in jax.jit(other).lower(*args).as_text()
     else:  # fused=True is the composed ops again here: compare with the float32 reference instead
-        other = functools.partial(ops.w4a8_moe_up, down_input_scale=s, impl="reference")
+        other = functools.partial(ops.w4a8_moe_up, **kw, impl="reference")
     f8, _ = run_up(other, args, device, static)
     same = np.mean(np.asarray(f8).view(np.uint8) == np.asarray(h8).view(np.uint8))
     assert 0.95 < same  # about 0.98 (bfloat16 gate and up in the composed ops)

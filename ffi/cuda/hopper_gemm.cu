@@ -506,7 +506,9 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
 #pragma unroll
   for (int i = 0; i < kTok / 2; ++i)
     h[i] = __fdividef(gate[i], 1.0f + expf(fminf(-gate[i], 88.0f))) * up[i];
-  float scale[kTok / 4];  // per token (i / 4, i % 2) of this thread: the static scale, or the UE8M0 one's reciprocal
+  // per token (i / 4, i % 2) of this thread: the static scale, the UE8M0 one's reciprocal or the float32 one
+  float scale[kTok / 4];
+  const bool by_reciprocal = p.down_scale == nullptr && p.h_scale_ue8m0;
   const bool dynamic = p.down_scale == nullptr;
   if (!dynamic) {
     const float s = *p.down_scale;
@@ -514,7 +516,8 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
     for (int j = 0; j < kTok / 4; ++j) scale[j] = s;
   } else {
     // Each warp's token maxima over its 16 features into red; then one thread per token takes the maximum over the
-    // 8 warps, forms the scale, stores it to h_scale and shares its reciprocal (exact) in tok_inv (after red).
+    // 8 warps, forms the scale, stores it to h_scale and shares in tok_inv (after red) its reciprocal (exact) if
+    // it is UE8M0, else the float32 scale itself (h / s below, as the quantizer's EncodeEight).
 #pragma unroll
     for (int j = 0; j < kTok / 4; ++j) {
       const int i = 4 * (j / 2) + (j % 2);
@@ -531,8 +534,14 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
       float m = 0.0f;
 #pragma unroll
       for (int w = 0; w < 8; ++w) m = fmaxf(m, red[w * kTok + ct]);
-      const float s = Ue8m0ScaleForE4m3(fmaxf(m, 1e-4f));  // CeilToUe8m0(max / 448), exact, no division
-      tok_inv[ct] = Ue8m0Reciprocal(s);
+      float s;
+      if (by_reciprocal) {
+        s = Ue8m0ScaleForE4m3(fmaxf(m, 1e-4f));  // CeilToUe8m0(max / 448), exact, no division
+        tok_inv[ct] = Ue8m0Reciprocal(s);
+      } else {
+        s = __fdiv_rn(fmaxf(m, 1e-4f), 448.0f);
+        tok_inv[ct] = s;
+      }
       const int64_t tok = t.m0 + ct;
       if (tok < t.m_end) p.h_scale[tok * (p.f / kFeatTile) + t.f0 / kFeatTile] = s;
     }
@@ -548,7 +557,7 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
     const int64_t f = row0 + 8 * ((i / 2) % 2);
     if (m >= t.m_end || f >= p.f) continue;
     const int j = 2 * (i / 4) + (i % 2);
-    const float q = dynamic ? h[i] * scale[j] : __fdiv_rn(h[i], scale[j]);
+    const float q = by_reciprocal ? h[i] * scale[j] : __fdiv_rn(h[i], scale[j]);
     static_cast<uint8_t*>(p.out)[m * p.f + f] = __nv_cvt_float_to_fp8(q, __NV_SATFINITE, __NV_E4M3);
   }
 }

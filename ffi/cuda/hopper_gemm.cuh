@@ -55,12 +55,13 @@ struct HopperGemmParams {
   bool int4_f16 = false;
   // Fused MoE up-projection (w4a8 only, split_k 1, tile_tokens <= 64): the weights hold gate rows
   // [0, F) and up rows [up_offset, up_offset + F); out receives e4m3 codes of silu(gate) * up [M, F]
-  // quantized per tensor by *down_scale, or per token and 128 channels with UE8M0 scales written to
-  // h_scale [M, F / 128] when down_scale is null.
+  // quantized per tensor by *down_scale, or per token and 128 channels with scales written to h_scale
+  // [M, F / 128] when down_scale is null: UE8M0 (h_scale_ue8m0) or float32 (max(amax, 1e-4) / 448, codes h / s).
   bool fused_up = false;
   int64_t up_offset = 0;
   const float* down_scale = nullptr;
   float* h_scale = nullptr;
+  bool h_scale_ue8m0 = true;
   void* xh = nullptr;          // int4_f16: the f16 activations (see int4_f16)
   // int4 weights, e4m3 MMA, 128-token tiles, unfused: the activation scales folded into the activations where
   // they differ by powers of two (see FoldTokenActivations in hopper_gemm.cu). x_tok_scale (scratch, float32

@@ -16,7 +16,8 @@ namespace {
 ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
                          ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes, ffi::AnyBuffer down_scale,
                          ffi::Result<ffi::AnyBuffer> h8, ffi::Result<ffi::AnyBuffer> h_scale,
-                         ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, bool static_scale, int32_t mma) {
+                         ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, bool static_scale, int32_t mma,
+                         bool ue8m0) {
   GroupedGemmDims d;
   int64_t inter = 0;
   if (auto err = CheckMoeUp(x, x_scale, w, w_scale, group_sizes, down_scale, *h8, *h_scale, static_scale, &d,
@@ -30,6 +31,7 @@ ffi::Error W4a8MoeUpCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   p.up_offset = inter;
   p.down_scale = static_scale ? static_cast<const float*>(down_scale.untyped_data()) : nullptr;
   p.h_scale = static_cast<float*>(h_scale->untyped_data());
+  p.h_scale_ue8m0 = ue8m0;
   const char* why = nullptr;
   if (!HopperGemmSupported(p, &why)) return Invalid("w4a8_moe_up", std::string("fused kernel unavailable: ") + why);
   if (d.m == 0) return ffi::Error::Success();
@@ -70,5 +72,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8MoeUpCuda, jax_w4a8::W4a8MoeUpCuda,
                                   .Ret<xla::ffi::AnyBuffer>()   // scratch
                                   .Attr<int32_t>("tile_tokens")
                                   .Attr<bool>("static_scale")
-                                  .Attr<int32_t>("mma"),    // 0 e4m3, 1 f16 (jax_w4a8.tiling.MMAS)
+                                  .Attr<int32_t>("mma")     // 0 e4m3, 1 f16 (jax_w4a8.tiling.MMAS)
+                                  .Attr<bool>("ue8m0"),     // dynamic scales: UE8M0, else float32
                               {xla::ffi::Traits::kCmdBufferCompatible});

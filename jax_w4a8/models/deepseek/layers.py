@@ -655,11 +655,10 @@ class Experts(nnx.Module):
     @property
     def can_fuse_up(self) -> bool:
         """Whether ``ops.w4a8_moe_up`` can compute this module's down-projection input (:attr:`moe_up`): W4A8
-        experts in a bf16 module (the op's composed ops, its path off Hopper, round gate and up to bf16) with
+        experts in a bf16 module (the op's composed ops, its path off Hopper, round gate and up to bf16), with
         static activation scales (the checkpoint's ``input_scale``, sglang's W4AFP8 recipe) or dynamic ones
-        rounded to powers of two (``ue8m0``: the fused kernel forms UE8M0 scales only)."""
-        return (self.quant == "w4a8" and self.dtype == jnp.dtype(jnp.bfloat16)
-                and (self.act_scale == "static" or self.ue8m0))
+        (float32 or UE8M0, as ``ue8m0``)."""
+        return self.quant == "w4a8" and self.dtype == jnp.dtype(jnp.bfloat16)
 
     def _fuses_up(self, rows: int, experts: int) -> bool:
         if self.moe_up == "unfused" or not self.can_fuse_up:
@@ -686,7 +685,7 @@ class Experts(nnx.Module):
             return ops.w4a8_grouped_gemm(h8, s2, w2, w2_s, group_sizes, out_dtype=self.dtype)
         x8, xs = x_sorted if isinstance(x_sorted, tuple) else self.quantize_input(x_sorted)
         if self._fuses_up(x8.shape[0], w13.shape[0]):   # w13's experts: this device's under expert parallelism
-            h8, hs = ops.w4a8_moe_up(x8, xs, w13, w13_s, group_sizes, fused=True)
+            h8, hs = ops.w4a8_moe_up(x8, xs, w13, w13_s, group_sizes, ue8m0=self.ue8m0, fused=True)
         else:
             gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype)
             # silu(gate) * up in float32 and the down projection's quantization: one kernel, h never in memory

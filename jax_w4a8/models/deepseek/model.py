@@ -128,20 +128,17 @@ class DeepseekV3ForCausalLM(nnx.Module):
         down projection's fp8 quantization), ``"fused"`` (``ops.w4a8_moe_up``: all of it in the GEMM's
         epilogue on Hopper, gate and up never in memory nor rounded to bf16) or ``"auto"`` (fused up to
         ``tiling.FUSED_UP_MAX_ROWS`` expected rows per expert, decode-sized batches; unfused above, and in
-        layers whose experts cannot fuse). Fusing needs W4A8 experts in a bf16 model with static activation
-        scales (a W4AFP8 checkpoint loaded with ``act_scale="static"``) or dynamic UE8M0 ones
-        (``QuantConfig.w4a8(ue8m0=True)``): :attr:`layers.Experts.can_fuse_up`. A static part of the model
-        (jitted functions retrace for it). Returns the model.
+        layers whose experts cannot fuse). Fusing needs W4A8 experts in a bf16 model
+        (:attr:`layers.Experts.can_fuse_up`). A static part of the model (jitted functions retrace for it).
+        Returns the model.
 
         Raises: ValueError for another name, or "fused" on a model whose experts cannot fuse."""
         if implementation not in layers.MOE_UP_IMPLS:
             raise ValueError(f"set_moe_up: implementation must be one of {layers.MOE_UP_IMPLS}, got {implementation!r}")
         experts = [layer.mlp.experts for layer in self.model.layers if isinstance(layer.mlp, layers.MoE)]
         if implementation == "fused" and not all(getattr(e, "can_fuse_up", False) for e in experts):
-            raise ValueError(f"set_moe_up: 'fused' needs W4A8 routed experts in a bf16 model with static activation "
-                             f"scales or dynamic UE8M0 ones (QuantConfig.w4a8(act_scale='static', input_scales=True) "
-                             f"or QuantConfig.w4a8(ue8m0=True)); this model has {self.quant} in {self.dtype}. "
-                             f"'auto' leaves such experts unfused")
+            raise ValueError(f"set_moe_up: 'fused' needs W4A8 routed experts in a bf16 model; this model has "
+                             f"{self.quant} in {self.dtype}. 'auto' leaves such experts unfused")
         for e in experts:
             if hasattr(e, "moe_up"):
                 e.moe_up = implementation
