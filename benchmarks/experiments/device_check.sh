@@ -18,11 +18,11 @@ STEPS=${STEPS:-"sanitizer einsum_tests variant_tests variant_ab prefill decode_s
 # benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
 # VARIANT = main with a patch of this folder applied, for the steps variant_tests and variant_ab (the A/B times
-# VARIANT_CASES of ab_builds.py, default decode): .carry/variants/half16 (decode_half_units.patch: units of at
-# most 8 rows in the plain 16-token f16 tiles load those activation rows alone and multiply at half the MMA
-# width; the default). Build: build_variant.sh PATCH NAME. AB_VARIANTS (space-separated folders, default VARIANT)
-# puts several copies in the one A/B, e.g. AB_VARIANTS=".carry/variants/half16 .carry/variants/scalepf".
-VARIANT=${VARIANT:-.carry/variants/half16}
+# VARIANT_CASES of ab_builds.py, default decode): default .carry/variants/fused_wide (fused_wide.patch: the fused
+# up-projection's 16- and 32-token f16 tiles on four consumer warpgroups). Build: build_variant.sh PATCH NAME.
+# AB_VARIANTS (space-separated folders, default VARIANT) puts several copies in the one A/B, e.g.
+# AB_VARIANTS=".carry/variants/fused_wide .carry/variants/scalepf".
+VARIANT=${VARIANT:-.carry/variants/fused_wide}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment overrides the limit
