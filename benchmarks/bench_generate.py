@@ -474,7 +474,8 @@ def main(argv=None):
                         "the model's)")
     p.add_argument("--moe-up", nargs="+", choices=("unfused", "fused", "auto"), default=["unfused"],
                    help="the w4a8 variant's routed up-projection (DeepseekV3ForCausalLM.set_moe_up), one run per "
-                        "name on the same weights, e.g. --moe-up unfused auto; other than unfused implies --ue8m0")
+                        "name on the same weights, e.g. --moe-up unfused auto (with float32 activation scales, or UE8M0 ones "
+                        "with --ue8m0)")
     p.add_argument("--ue8m0", action="store_true",
                    help="the w4a8 variant with UE8M0 (power-of-two) activation scales, QuantConfig.w4a8(ue8m0=True)")
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
@@ -527,7 +528,7 @@ def main(argv=None):
             raise SystemExit("--expert-parallel: the bf16_pallas variant runs on one device only")
     if "w4a8" in variants:
         t0 = time.perf_counter()
-        ue8m0 = args.ue8m0 or args.moe_up != ["unfused"]  # fusing the up-projection needs UE8M0 activation scales
+        ue8m0 = args.ue8m0
         model = random_model(cfg, QuantConfig.w4a8(ue8m0=ue8m0), jnp.bfloat16, mesh)
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
         print(f"w4a8 model{' (UE8M0 activation scales)' if ue8m0 else ''} made in {time.perf_counter() - t0:.1f} s",

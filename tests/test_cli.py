@@ -188,6 +188,20 @@ def test_bench_generate_tiny_runs(tmp_path, monkeypatch):
     assert "--xla_enable_command_buffers_during_profiling=true" in os.environ["XLA_FLAGS"]
 
 
+def test_bench_generate_moe_up_runs_each_setting_on_the_same_weights(tmp_path):
+    """bench_generate.py --moe-up unfused fused: one w4a8 model, a row per setting; float32 activation scales
+    unless --ue8m0 (the fused kernel forms both kinds)."""
+    import json
+
+    bench = _load_bench("bench_generate")
+    assert bench.main(["--tiny", "--layers", "1", "--variants", "w4a8", "--moe-up", "unfused", "fused",
+                       "--prefill", "16", "--batches", "2", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
+    assert sorted((r["model"], r["phase"]) for r in rows) == [
+        ("w4a8", "decode"), ("w4a8", "prefill"), ("w4a8-fused-up", "decode"), ("w4a8-fused-up", "prefill")]
+    assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
+
+
 def _load_bench(name):
     """The script benchmarks/NAME.py as a module."""
     import importlib.util

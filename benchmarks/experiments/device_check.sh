@@ -170,11 +170,11 @@ step epi_probes 450 bash -c epi_probes
 moe_up() {
   timeout --foreground 150 python3 -m pytest -q -m gpu tests/test_deepseek_layers.py tests/test_deepseek_model.py \
     -k "fused_up or moe_up" 2>&1 | tail -n 5
-  python3 benchmarks/bench_generate.py --layers 2 --variants w4a8 --moe-up unfused auto --batches $MOE_UP_BATCHES \
+  python3 benchmarks/bench_generate.py --layers 2 --variants w4a8 --moe-up unfused auto --ue8m0 --batches $MOE_UP_BATCHES \
     --prefill $MOE_UP_PREFILL --out "$OUT/moe_up" 2>&1 | grep -v -i warn | tail -n 12
 }
 export -f moe_up
-export MOE_UP_BATCHES=${MOE_UP_BATCHES:-"1 16 64"} MOE_UP_PREFILL=${MOE_UP_PREFILL:-1024}
+export MOE_UP_BATCHES=${MOE_UP_BATCHES:-"1 16 32 64 128"} MOE_UP_PREFILL=${MOE_UP_PREFILL:-1024}
 step moe_up 420 bash -c moe_up
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
