@@ -528,15 +528,14 @@ def main(argv=None):
             raise SystemExit("--expert-parallel: the bf16_pallas variant runs on one device only")
     if "w4a8" in variants:
         t0 = time.perf_counter()
-        ue8m0 = args.ue8m0
-        model = random_model(cfg, QuantConfig.w4a8(ue8m0=ue8m0), jnp.bfloat16, mesh)
+        model = random_model(cfg, QuantConfig.w4a8(ue8m0=args.ue8m0), jnp.bfloat16, mesh)
         jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
-        print(f"w4a8 model{' (UE8M0 activation scales)' if ue8m0 else ''} made in {time.perf_counter() - t0:.1f} s",
+        print(f"w4a8 model{' (UE8M0 activation scales)' if args.ue8m0 else ''} made in {time.perf_counter() - t0:.1f} s",
               flush=True)
         for impl in args.moe_up:  # the same weights under each implementation, in this one process
             if impl != "unfused" or len(args.moe_up) > 1:  # (packages from before set_moe_up: unfused alone)
                 model.set_moe_up(impl)
-            name = "w4a8" + ("-ue8m0" if ue8m0 else "") + ("" if impl == "unfused" else f"-{impl}-up")
+            name = "w4a8" + ("-ue8m0" if args.ue8m0 else "") + ("" if impl == "unfused" else f"-{impl}-up")
             run_variant(name + tag, model, cfg, args, rows)
             save_partial()
         _free(model)
