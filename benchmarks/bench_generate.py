@@ -7,7 +7,7 @@
     python benchmarks/bench_generate.py --layers 2 --variants w4a8 --prefill 4096 --batches --trace-prefill
     python benchmarks/bench_generate.py --layers 61 --variants w4a8 --expert-parallel 8 --batches 1 16 64 256
                                                          # R1-sized W4A8 model over 8 GPUs (issue #8)
-    python benchmarks/bench_generate.py --layers 2 --variants w4a8 --moe-up unfused auto --prefill
+    python benchmarks/bench_generate.py --layers 2 --variants w4a8 --moe-up unfused fused --prefill
                                                          # the routed up-projection unfused vs fused, same weights
 
 The model has DeepSeek-V3's widths (vocab 129280, hidden 7168, 128 heads, q_lora 1536, kv_lora 512,
@@ -474,7 +474,7 @@ def main(argv=None):
                         "the model's)")
     p.add_argument("--moe-up", nargs="+", choices=("unfused", "fused", "auto"), default=["unfused"],
                    help="the w4a8 variant's routed up-projection (DeepseekV3ForCausalLM.set_moe_up), one run per "
-                        "name on the same weights, e.g. --moe-up unfused auto (with float32 activation scales, or UE8M0 ones "
+                        "name on the same weights, e.g. --moe-up unfused fused (with float32 activation scales, or UE8M0 ones "
                         "with --ue8m0)")
     p.add_argument("--ue8m0", action="store_true",
                    help="the w4a8 variant with UE8M0 (power-of-two) activation scales, QuantConfig.w4a8(ue8m0=True)")

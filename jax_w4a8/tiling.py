@@ -178,7 +178,7 @@ import numpy as np
 
 __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "EINSUM_TILE_TOKENS",
            "GROUPED_TILE_TOKENS", "F16_TILE_TOKENS", "FUSED_F16_TILE_TOKENS",
-           "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS", "FUSED_UP_MAX_ROWS"]
+           "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS", "FUSED_UP_MAX_ROWS", "moe_up_fuses"]
 
 TILE_TOKENS = (16, 32, 64, 128)
 GROUPED_TILE_TOKENS = (8,) + TILE_TOKENS  # 8: int4 weights with the f16 MMA only
@@ -519,6 +519,22 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
         mma = "f16" if tile_tokens < 64 or rows <= _F16_HALF_TILE_ROWS else "e4m3"
     return dataclasses.replace(_with_mma(GemmPlan(plan.tile_tokens, 1, scratch, plan.units), mma, m, k),
                                kernel="fused" if fused else "unfused")
+
+
+def moe_up_fuses(m: int, e: int, inter: int, k: int, *, num_sms: int | None = None) -> bool:
+    """Whether a model's ``moe_up="auto"`` (``DeepseekV3ForCausalLM.set_moe_up``) fuses the up-projection of M
+    routed rows over E experts: where :func:`plan_moe_up` takes the fused kernel (up to ``FUSED_UP_MAX_ROWS``
+    expected rows per expert), except where the composed path's gate+up GEMM (:func:`plan_grouped_gemm`, N = 2I)
+    runs 8-token tiles on whole units (split-K 1: the wide kernel, 256 weight rows per block), which the fused
+    kernel's 8-token tile, with no wide form, does not beat.
+
+    Measured (H100, fifty-fifth session, 2-layer DeepSeek-V3 W4A8 model, UE8M0 scales, decode tokens/s, fused /
+    unfused): batch 1 (8 rows, wide kernel) 0.993-0.994, batch 128 (1024 rows, wide kernel) 0.947; batch 16 / 32 /
+    64 (K split in two) 0.995 / 1.007 / 1.035-1.051; prefill 1024 tokens (32-token tiles) 1.019."""
+    if plan_moe_up(m, e, inter, k, num_sms=num_sms).kernel != "fused":
+        return False
+    plain = plan_grouped_gemm(m, e, 2 * inter, k, num_sms=num_sms)
+    return plain.split_k > 1 or plain.tile_tokens > 8
 
 
 def _einsum_tile(m: int, block_scaled: bool) -> int:

@@ -165,16 +165,16 @@ export EPI_PROBES=${EPI_PROBES:-.carry/variants/epi_noepi}
 export EPI_CASES=${EPI_CASES:-"fused512 decode512"}
 step epi_probes 450 bash -c epi_probes
 # 5d. the model's fused up-projection (DeepseekV3ForCausalLM.set_moe_up, fifty-fourth session; main's build): its GPU
-#     tests, then a 2-layer W4A8 model at V3 widths, unfused vs auto on the same weights in one process (decode at
-#     MOE_UP_BATCHES, prefill at MOE_UP_PREFILL tokens). Not in the default STEPS: STEPS=moe_up (about 300 s).
+#     tests, then a 2-layer W4A8 model at V3 widths, unfused vs fused on the same weights in one process (decode at
+#     MOE_UP_BATCHES, prefill at MOE_UP_PREFILL tokens; MOE_UP_SCALES=--ue8m0, the default, or empty: float32 scales). Not in the default STEPS: STEPS=moe_up (about 300 s).
 moe_up() {
   timeout --foreground 150 python3 -m pytest -q -m gpu tests/test_deepseek_layers.py tests/test_deepseek_model.py \
     -k "fused_up or moe_up" 2>&1 | tail -n 5
-  python3 benchmarks/bench_generate.py --layers 2 --variants w4a8 --moe-up unfused auto --ue8m0 --batches $MOE_UP_BATCHES \
+  python3 benchmarks/bench_generate.py --layers 2 --variants w4a8 --moe-up unfused fused $MOE_UP_SCALES --batches $MOE_UP_BATCHES \
     --prefill $MOE_UP_PREFILL --out "$OUT/moe_up" 2>&1 | grep -v -i warn | tail -n 12
 }
 export -f moe_up
-export MOE_UP_BATCHES=${MOE_UP_BATCHES:-"1 16 32 64 128"} MOE_UP_PREFILL=${MOE_UP_PREFILL:-1024}
+export MOE_UP_BATCHES=${MOE_UP_BATCHES:-"1 16 32 64 128"} MOE_UP_PREFILL=${MOE_UP_PREFILL:-1024} MOE_UP_SCALES=${MOE_UP_SCALES---ue8m0}
 step moe_up 420 bash -c moe_up
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main

@@ -567,8 +567,9 @@ def _ragged_nk(x, w, group_sizes, dtype):
 # ``DeepseekV3ForCausalLM.set_moe_up``): "unfused" (the gate+up grouped GEMM to bf16, then SiLU-mul and the
 # quantizer in one kernel: ``ops.silu_mul_quantize_fp8_groups``), "fused" (``ops.w4a8_moe_up``'s fused kernel:
 # SiLU-mul and the quantizer in the GEMM's epilogue, gate and up never in memory, whatever the rows per expert)
-# or "auto" (fused where ``tiling.plan_moe_up`` takes the fused kernel: up to ``tiling.FUSED_UP_MAX_ROWS``
-# expected rows per expert; unfused above, and for experts that cannot fuse: :attr:`Experts.can_fuse_up`).
+# or "auto" (fused where ``tiling.moe_up_fuses``: up to ``tiling.FUSED_UP_MAX_ROWS`` expected rows per expert,
+# except where the unfused gate+up GEMM runs its wide 8-token kernel; unfused elsewhere, and for experts that cannot
+# fuse: :attr:`Experts.can_fuse_up`).
 MOE_UP_IMPLS = ("unfused", "fused", "auto")
 
 
@@ -663,7 +664,7 @@ class Experts(nnx.Module):
     def _fuses_up(self, rows: int, experts: int) -> bool:
         if self.moe_up == "unfused" or not self.can_fuse_up:
             return False
-        return self.moe_up == "fused" or tiling.plan_moe_up(rows, experts, self.inter, self.hidden).kernel == "fused"
+        return self.moe_up == "fused" or tiling.moe_up_fuses(rows, experts, self.inter, self.hidden)
 
     def quantize_input(self, x):
         """x [R, D] -> (e4m3 [R, D], fp32 scales [R, D/128]) as the W4A8 gate+up product takes them
