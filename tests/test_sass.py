@@ -83,7 +83,8 @@ def test_every_tile_configuration_is_built(kernels):
                 | {(t, True, 2, False) for t in (16, 32, 64)}  # fused up-projection
                 | {(t, True, 1, True) for t in (8, 16, 32, 64, 128)}  # int4 grouped GEMM, f16 MMA
                 | {(t, True, 1, True, "wide") for t in (8, 16, 32)}  # ... 256 weight rows per block
-                | {(t, True, 2, True) for t in (8, 16, 32, 64)})  # fused up-projection, f16 MMA
+                | {(t, True, 2, True) for t in (8, 64)}  # fused up-projection, f16 MMA
+                | {(t, True, 2, True, "wide") for t in (16, 32)})  # ... 128 gate and 128 up rows per block
     assert set(kernels) == expected
 
 
@@ -263,7 +264,14 @@ def test_int4_f16_loops_stay_lean(kernels):
         assert len(loop) <= per_group * groups, (config, len(loop), groups)
 
 
-F16_KERNELS = [(tok, True, parts, True) for tok in (8, 16, 32, 64) for parts in (1, 2)] + [(128, True, 1, True)]
+# The fused 16- and 32-token tiles run on four consumer warpgroups, one part (gate or up) per thread ("wide").
+F16_KERNELS = ([(tok, True, 1, True) for tok in (8, 16, 32, 64, 128)] + [(tok, True, 2, True) for tok in (8, 64)]
+               + [(tok, True, 2, True, "wide") for tok in (16, 32)])
+
+
+def _thread_parts(config) -> int:
+    """Parts (gate, up) whose accumulators one consumer thread holds."""
+    return 1 if "wide" in config else config[2]
 
 
 def test_f16_loops_promote_without_token_scales(kernels):
@@ -275,13 +283,14 @@ def test_f16_loops_promote_without_token_scales(kernels):
     for config in F16_KERNELS:
         for n, loop in _mma_loops(kernels[config]).items():  # n: the MMA width of each group loop
             mmas = sum(1 for t in loop if re.search(r"\b(HGMMA|HMMA)\b", t))
-            groups = mmas // (8 * config[2])  # 8 K16 steps per 128-K group and part
+            parts = _thread_parts(config)
+            groups = mmas // (8 * parts)  # 8 K16 steps per 128-K group and part
             assert groups >= 1, (config, n, mmas)
             assert not [t for t in loop if re.search(r"\bFMUL\b", t)], (config, n)
             lds = sum(1 for t in loop if re.search(r"\bLDS\b", t))
-            assert lds <= 2 * config[2] * groups, (config, n, lds, groups)
+            assert lds <= 2 * parts * groups, (config, n, lds, groups)
             ffma = sum(1 for t in loop if re.search(r"\bFFMA\b", t))
-            assert ffma == config[2] * n // 2 * groups, (config, n, ffma, groups)
+            assert ffma == parts * n // 2 * groups, (config, n, ffma, groups)
 
 
 def test_folded_kernel_promotes_without_token_scales(kernels):
@@ -348,8 +357,8 @@ def _first_read_distance(loop, i, reg):
 
 # Kernels whose weight-scale loads are consumed where the promotion uses them (hopper_gemm.cu, kDirect).
 SCALE_SLOT_KERNELS = [(8, True, 1, True), (16, True, 1, True), (32, True, 1, True), (64, True, 1, True),
-                      (128, True, 1, True), (8, True, 2, True), (16, True, 2, True), (32, True, 2, True),
-                      (64, True, 2, True), (16, False, 1, False), (32, False, 1, False),
+                      (128, True, 1, True), (8, True, 2, True), (16, True, 2, True, "wide"),
+                      (32, True, 2, True, "wide"), (64, True, 2, True), (16, False, 1, False), (32, False, 1, False),
                       (64, False, 1, False), (16, True, 1, False), (64, True, 1, False)]
 
 

@@ -18,11 +18,11 @@ STEPS=${STEPS:-"sanitizer einsum_tests variant_tests variant_ab prefill decode_s
 # benchmarks/experiments/README.md.
 BASE=${BASE:-.carry/variants/base}
 # VARIANT = main with a patch of this folder applied, for the steps variant_tests and variant_ab (the A/B times
-# VARIANT_CASES of ab_builds.py, default decode): default .carry/variants/fused_wide (fused_wide.patch: the fused
-# up-projection's 16- and 32-token f16 tiles on four consumer warpgroups). Build: build_variant.sh PATCH NAME.
+# VARIANT_CASES of ab_builds.py, default decode): none by default (fused_wide.patch, the last default, landed in the
+# fifty-sixth session). Build: build_variant.sh PATCH NAME.
 # AB_VARIANTS (space-separated folders, default VARIANT) puts several copies in the one A/B, e.g.
-# AB_VARIANTS=".carry/variants/fused_wide .carry/variants/scalepf".
-VARIANT=${VARIANT:-.carry/variants/fused_wide}
+# AB_VARIANTS=".carry/variants/half16 .carry/variants/scalepf".
+VARIANT=${VARIANT:-}
 
 wanted() { local s; for s in $STEPS; do [[ $1 == "$s"* ]] && return 0; done; return 1; }
 step() {  # step NAME LIMIT_S COMMAND...; LIMIT_<NAME>=S in the environment overrides the limit

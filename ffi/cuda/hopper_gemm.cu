@@ -104,9 +104,19 @@ struct KernelArgs {
   int64_t groups;
 };
 
+// The fused up-projection on four consumer warpgroups (kParts 2, kCw 4: the 16- and 32-token f16 tiles): each
+// warpgroup holds one part's accumulators, warpgroups 0-1 the unit's 128 gate rows and 2-3 the matching 128 up
+// rows, so that the main loop is the wide unfused kernel's (one part per thread); the up warpgroups hand their sums
+// to the gate warpgroups through shared memory for the epilogue.
+template <int kParts, int kCw>
+constexpr bool SplitParts() { return kParts == 2 && kCw == 4; }
+template <int kParts, int kCw>
+constexpr int ThreadParts() { return SplitParts<kParts, kCw>() ? 1 : kParts; }
+
 template <int kTok, bool kInt4, int kParts = 1, bool kF16 = false, int kCw = 2>
 struct Layout {
-  static constexpr int kFeat = kCw * 64;  // weight rows per unit
+  static constexpr bool kSplit = SplitParts<kParts, kCw>();
+  static constexpr int kFeat = kSplit ? 128 : kCw * 64;  // weight rows per unit (output features: per part)
   static constexpr int kWPartBytes = kFeat * (kInt4 ? kKGroup / 2 : kKGroup);
   static constexpr int kWBytes = kParts * kWPartBytes;  // gate and up tiles when fused
   // The activations: e4m3, or on the f16 MMA path f16 (prepared once per call, ConvertXToF16) as two
@@ -126,7 +136,10 @@ struct Layout {
   // (mma.sync) nor the fused ones.
   static constexpr bool kStagedStore = kInt4 && kParts == 1 && kTok >= 16;
   static constexpr int kStoreRow = 144;
-  static constexpr int kStoreBytes = kStagedStore ? kCw * kTok * kStoreRow : 0;
+  // kSplit: the up warpgroups' sums for the gate warpgroups, float4 k (accumulators 4 k .. 4 k + 3) of consumer
+  // thread c (of 256) at [k][c].
+  static constexpr int kExchangeBytes = kSplit ? 256 * kTok / 2 * 4 : 0;
+  static constexpr int kStoreBytes = kStagedStore ? kCw * kTok * kStoreRow : kExchangeBytes;
 };
 
 // fold_x calls launch the folding kernel (kFoldX) and the plain one; the preparation's flag (the int after the
@@ -798,7 +811,8 @@ struct Pipeline {
   // With mma.sync the fragments are built and used within one K step, so only the accumulators count.
   // The f16 path's 8-token tiles run on mma.sync (see the consumers), the 16- to 128-token ones on wgmma.
   static constexpr bool kSync = kF16 && kTok == 8;
-  static constexpr int kRegs = 3 * kParts * (kTok / 2) + (kInt4 && !kSync ? 2 * kParts * (kF16 ? 32 : 16) : 0);
+  static constexpr int kTp = ThreadParts<kParts, kCw>();  // parts per consumer thread
+  static constexpr int kRegs = 3 * kTp * (kTok / 2) + (kInt4 && !kSync ? 2 * kTp * (kF16 ? 32 : 16) : 0);
   static constexpr int kDepth =
       kRegs <= (kSync ? 24 : Occupancy<kTok, kParts, kCw>::kConsumerRegs < 160 ? 56 : 160) ? 2 : 1;
 };
@@ -816,8 +830,8 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
   // The kernels of a fold_x call: this one (kFoldX) and the plain int4 e4m3 128-token kernel.
   constexpr bool kFoldPair = kInt4 && !kF16 && kParts == 1 && kTok == 128 && !kTokenRows;
   static_assert(!kFoldX || kFoldPair, "folded activation scales: int4 weights, e4m3 MMA, 128-token tiles");
-  static_assert(kCw == 2 || (kCw == 4 && kF16 && kParts == 1 && kTok <= 32 && !kTokenRows),
-                "four consumer warpgroups: the unfused f16 decode tiles (8 to 32 tokens)");
+  static_assert(kCw == 2 || (kCw == 4 && kF16 && kTok <= 32 && !kTokenRows),
+                "four consumer warpgroups: the f16 decode tiles (8 to 32 tokens)");
   using L = Layout<kTok, kInt4, kParts, kF16, kCw>;
   using Occ = Occupancy<kTok, kParts, kCw>;
   constexpr int kThreads = ThreadsOf<kTok, kTokenRows, kCw>();
@@ -921,6 +935,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
   const int tid = threadIdx.x % 128;
   const int warp = tid / 32, lane = tid % 32;
   const int frag_row = cw * 64 + warp * 16 + lane / 4;  // this thread's A rows in the tile: +0 and +8
+  // Parts per thread, and kSplit (L::kSplit): this warpgroup's part (0 gate, 1 up) and output features (rows
+  // [64 (cw % 2), + 64) of the unit's 128); otherwise the thread's rows are its output features.
+  constexpr int kTp = ThreadParts<kParts, kCw>();
+  const int my_part = L::kSplit ? cw / 2 : 0;
+  const int feat_row = L::kSplit ? frag_row - 128 * my_part : frag_row;
   // int4 tile rows are 64 bytes (one K group) with TMA's 64-byte swizzle: 16-byte chunk c of row r sits
   // at chunk c ^ ((r / 2) % 4), which makes the fragment loads below bank-conflict free.
   const uint32_t frag_swz = static_cast<uint32_t>((frag_row >> 1) & 3);
@@ -948,19 +967,20 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
   // (the warp-uniform warpgroup index through a shuffle); a stage adds its offset / 16, 32 K bytes add 2.
   const uint64_t desc_x0 = sm90::DescSw128(smem + L::kWBytes, 0);
   // f16 path: K16 step s reads 32 bytes at 32 (s % 4) of the rows of half s / 4 (kTok x 128 bytes each).
-  uint64_t desc_w0[kParts];
+  uint64_t desc_w0[kTp];
 #pragma unroll
-  for (int part = 0; part < kParts; ++part)
+  for (int part = 0; part < kTp; ++part)
     desc_w0[part] = sm90::DescSw128(smem + part * L::kWPartBytes + __shfl_sync(0xffffffffu, cw, 0) * 64 * kKGroup, 0);
   // The staged epilogue (L::kStagedStore): bf16 output whose rows are 16-byte aligned, whole units only.
   const bool staged = L::kStagedStore && p.out_bf16 && p.f % 8 == 0 && p.split_k == 1 &&
                     (reinterpret_cast<uintptr_t>(p.out) & 15) == 0;
+  bool exchanged = false;  // kSplit: an up warpgroup has written the exchange buffer (see the epilogue)
   WorkCursor work(p, total_units, groups);
   for (Unit t; work.Next<kTok, kPanels, kEinsum, L::kFeat>(p, table, feat_tiles, groups, t);) {
-    const int64_t row0 = t.f0 + frag_row;  // this thread's output features: row0, row0 + 8
-    float total[kParts][kTok / 2];
+    const int64_t row0 = t.f0 + feat_row;  // this thread's output features: row0, row0 + 8
+    float total[kTp][kTok / 2];
 #pragma unroll
-    for (int part = 0; part < kParts; ++part)
+    for (int part = 0; part < kTp; ++part)
 #pragma unroll
       for (int i = 0; i < kTok / 2; ++i) total[part][i] = 0.0f;
 
@@ -1002,26 +1022,26 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
     // ptxas moved each freshly loaded scale into the loop-carried register at the end of the iteration,
     // which waited for the load (H200, ncu: 18% of the fused 8-token kernel's stall samples on one move).
     constexpr bool kDirect = kSync || kF16 || kPipe == 2;
-    float pre[2][kParts][2] = {};
-    float sw_copy[kDirect ? 1 : kPipe][kParts][2];
-    float acc[kPipe][kParts][kTok / 2];
+    float pre[2][kTp][2] = {};
+    float sw_copy[kDirect ? 1 : kPipe][kTp][2];
+    float acc[kPipe][kTp][kTok / 2];
     // int4 paths: this thread's A fragments, 4 K steps of 32 (e4m3) or 8 K16 steps (f16).
-    uint32_t afrag[kPipe][kParts][kF16 ? 8 : 4][4];
+    uint32_t afrag[kPipe][kTp][kF16 ? 8 : 4][4];
     int slot_stage[kPipe];
-    int64_t sw_base[kParts][2];
+    int64_t sw_base[kTp][2];
 #pragma unroll
-    for (int part = 0; part < kParts; ++part) {
-      sw_base[part][0] = WeightScaleBase(p, t.b, row0 + part * p.up_offset, groups);
-      sw_base[part][1] = WeightScaleBase(p, t.b, row0 + 8 + part * p.up_offset, groups);
+    for (int part = 0; part < kTp; ++part) {
+      sw_base[part][0] = WeightScaleBase(p, t.b, row0 + (part + my_part) * p.up_offset, groups);
+      sw_base[part][1] = WeightScaleBase(p, t.b, row0 + 8 + (part + my_part) * p.up_offset, groups);
     }
     // int4 weights: the rows' group-0 scales as pointers, set once per unit, so that a load is a 32-bit
     // clamp, an address and the load (the 64-bit index arithmetic per load was a tenth of the 8-token
     // kernel's main loop).
-    const uint8_t* sw_ptr[kParts][2];
+    const uint8_t* sw_ptr[kTp][2];
     const int sw_shift = p.sw_type == WeightScaleType::kF32 ? 2 : p.sw_type == WeightScaleType::kBf16 ? 1 : 0;
     const bool sw_bf16 = p.sw_type == WeightScaleType::kBf16;  // int4 weights: float32 or bfloat16 scales
 #pragma unroll
-    for (int part = 0; part < kParts; ++part)
+    for (int part = 0; part < kTp; ++part)
 #pragma unroll
       for (int r = 0; r < 2; ++r) sw_ptr[part][r] = static_cast<const uint8_t*>(p.sw) + (sw_base[part][r] << sw_shift);
     const int g_last = static_cast<int>(t.g1) - 1;
@@ -1031,7 +1051,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
     // the main loop), and the wgmma kernels' 64-bit indices and scale-type switch per load cost as much: main
     // loops 668 -> 520 (8 tokens), 436 / 455 -> 299 / 322 (f16, 16 / 32), 625 / 1134 / 738 -> 489 / 924 / 604
     // (e4m3, 16 / 32 / 64) SASS instructions.
-    constexpr bool kCompactScales = kInt4 && kParts == 2;
+    constexpr bool kCompactScales = kInt4 && kTp == 2;
     const uint8_t* sw_unit = nullptr;
     uint32_t sw_off[2] = {0u, 0u};
     uint32_t up_delta = 0;
@@ -1047,22 +1067,22 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
       if constexpr (kCompactScales) {
         const int gc = min(static_cast<int>(g), g_last);
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
+        for (int part = 0; part < kTp; ++part) {
           const uint32_t d = part == 0 ? 0u : up_delta;
           pre[J][part][0] = LoadInt4WeightScale(sw_bf16, sw_unit + (sw_off[0] + d), gc);
           pre[J][part][1] = LoadInt4WeightScale(sw_bf16, sw_unit + (sw_off[1] + d), gc);
         }
-      } else if constexpr (kInt4) {  // the plain kernels: a row pointer each (kParts == 1)
+      } else if constexpr (kInt4) {  // the plain kernels: a row pointer each (one part per thread)
         const int gc = min(static_cast<int>(g), g_last);
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
+        for (int part = 0; part < kTp; ++part) {
           pre[J][part][0] = LoadInt4WeightScale(sw_bf16, sw_ptr[part][0], gc);
           pre[J][part][1] = LoadInt4WeightScale(sw_bf16, sw_ptr[part][1], gc);
         }
       } else {
         g = min(g, t.g1 - 1);
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
+        for (int part = 0; part < kTp; ++part) {
           pre[J][part][0] = kDirect ? LoadWeightScaleBits(p, sw_base[part][0] + g)
                                     : LoadWeightScale(p, sw_base[part][0] + g);
           pre[J][part][1] = kDirect ? LoadWeightScaleBits(p, sw_base[part][1] + g)
@@ -1086,7 +1106,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
       constexpr int J = decltype(pre_slot)::value;
       if constexpr (!kDirect) {
 #pragma unroll
-        for (int part = 0; part < kParts; ++part)
+        for (int part = 0; part < kTp; ++part)
           sw_copy[S][part][0] = pre[J][part][0], sw_copy[S][part][1] = pre[J][part][1];
       }
       sm90::MbarWait(&full[stage], phase);
@@ -1100,16 +1120,16 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
         // row n sits at chunk c ^ (n % 8); step s of half s / 4 is chunks 2 (s % 4) and + 1). The stage is
         // freed once its operands are in registers.
         const uint32_t st_addr = sm90::SmemAddr(st);
-        uint4 qa[kParts], qb[kParts];
+        uint4 qa[kTp], qb[kTp];
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
+        for (int part = 0; part < kTp; ++part) {
           const uint32_t base = st_addr + part * L::kWPartBytes + frag_off;
           qa[part] = sm90::LdShared128(base);
           qb[part] = sm90::LdShared128(base + 8 * 64);
         }
         const uint32_t xrow = st_addr + L::kWBytes + static_cast<uint32_t>(lane % 8) * 128;
 #pragma unroll
-        for (int part = 0; part < kParts; ++part)
+        for (int part = 0; part < kTp; ++part)
 #pragma unroll
           for (int i = 0; i < kTok / 2; ++i) acc[S][part][i] = 0.0f;
         static_assert(kTok == 8, "mma.sync: one m16n8 tile of tokens");
@@ -1121,7 +1141,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
           const uint32_t chunk = (static_cast<uint32_t>(4 * (t4 % 2) + lane / 8) ^ static_cast<uint32_t>(lane % 8)) * 16;
           sm90::LdMatrixX4(b, xrow + (t4 / 2) * (kTok * 128) + chunk);
 #pragma unroll
-          for (int part = 0; part < kParts; ++part) {
+          for (int part = 0; part < kTp; ++part) {
             const uint32_t wa[4] = {qa[part].x, qa[part].y, qa[part].z, qa[part].w};
             const uint32_t wb[4] = {qb[part].x, qb[part].y, qb[part].z, qb[part].w};
             uint32_t a0[4], a1[4];
@@ -1140,11 +1160,11 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
         // steps (order in ConvertXToF16). Fused: the up part is converted while the gate part's MMAs run,
         // or, at two blocks per SM (104 registers: ptxas would serialize every wgmma), into the same
         // registers once they are done.
-        constexpr bool kReuse = kParts == 2 && Occupancy<kTok, kParts>::kBlocksPerSm == 2;
+        constexpr bool kReuse = kTp == 2 && Occupancy<kTok, kParts, kCw>::kBlocksPerSm == 2;
         static_assert(!kReuse || kPipe == 1, "the wait below would also drain another group in flight");
         uint64_t stage_desc = 0;
 #pragma unroll
-        for (int part = 0; part < kParts; ++part) {
+        for (int part = 0; part < kTp; ++part) {
           uint32_t wa[4], wb[4];
           LoadRowPairChunks(sm90::SmemAddr(st + part * L::kWPartBytes) + frag_off, wa, wb);
           uint32_t(&fr)[8][4] = afrag[S][kReuse ? 0 : part];
@@ -1158,7 +1178,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
           for (int step = 0; step < 8; ++step)
             WgmmaF16Rs<kTok>(acc[S][part], fr[step],
                              desc_x0 + stage_desc + (step / 4) * (L::kXBytes / 2 / 16) + 2 * (step % 4), step > 0);
-          if (kReuse && part + 1 < kParts) {  // the fragments are read by the MMAs until they finish
+          if (kReuse && part + 1 < kTp) {  // the fragments are read by the MMAs until they finish
             sm90::WgmmaCommit();
             sm90::WgmmaWait<0>();
           }
@@ -1171,7 +1191,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
           // Folded activations are in the thread-major K order (StoreFoldedKOrder): thread c's codes of every K step
           // are its 16-byte chunk c of each row, word kc (8 codes) for step kc, converted as loaded.
 #pragma unroll
-          for (int part = 0; part < kParts; ++part) {
+          for (int part = 0; part < kTp; ++part) {
             uint32_t wa[4], wb[4];
             LoadRowPairChunks(sm90::SmemAddr(st + part * L::kWPartBytes) + frag_off, wa, wb);
 #pragma unroll
@@ -1184,7 +1204,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
           // int4 -> e4m3 straight into the wgmma A fragments: per K step one 16-byte chunk of each of the
           // two rows; bytes 2c, 2c + 1 of each 8-byte half are this thread's 4 + 4 codes.
 #pragma unroll
-          for (int part = 0; part < kParts; ++part) {
+          for (int part = 0; part < kTp; ++part) {
             const uint32_t base = sm90::SmemAddr(st + part * L::kWPartBytes) + frag_row * 64;
 #pragma unroll
             for (int kc = 0; kc < 4; ++kc) {
@@ -1207,9 +1227,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
 #pragma unroll
         for (int kc = 0; kc < 4; ++kc)
 #pragma unroll
-          for (int part = 0; part < kParts; ++part) {
+          for (int part = 0; part < kTp; ++part) {
             const uint64_t desc_x =
-                kParts == 1 ? desc_x0 + stage_desc + 2 * kc : sm90::DescSw128(x_tile, kc * 32);
+                kTp == 1 ? desc_x0 + stage_desc + 2 * kc : sm90::DescSw128(x_tile, kc * 32);
             if constexpr (kInt4) {
               WgmmaRs<kTok>(acc[S][part], afrag[S][part][kc], desc_x, kc > 0);
             } else {
@@ -1227,9 +1247,9 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
       constexpr int S = decltype(slot)::value;
       constexpr int J = decltype(pre_slot)::value;
       // fp8 weights, kDirect: the scales from their bits here.
-      float sw[kParts][2];
+      float sw[kTp][2];
 #pragma unroll
-      for (int part = 0; part < kParts; ++part)
+      for (int part = 0; part < kTp; ++part)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
           const float v = kDirect ? pre[J][part][r] : sw_copy[kDirect ? 0 : S][part][r];
@@ -1238,7 +1258,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
       if constexpr (kF16 || kFoldX) {
         // Accumulator i is row (i / 2) % 2 (see promote below).
 #pragma unroll
-        for (int part = 0; part < kParts; ++part)
+        for (int part = 0; part < kTp; ++part)
 #pragma unroll
           for (int i = 0; i < kTok / 2; ++i)
             total[part][i] = fmaf(sw[part][(i / 2) % 2], acc[S][part][i], total[part][i]);
@@ -1255,7 +1275,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
           for (int j = 0; j < kTok / 4; ++j) {
             const float a = sm90::LdSharedF32(sx + 4 * (8 * (j / 2) + (j % 2)));
 #pragma unroll
-            for (int part = 0; part < kParts; ++part) {
+            for (int part = 0; part < kTp; ++part) {
               const float s0 = sw[part][0] * a;
               const float s1 = decltype(shared_row_scale)::value ? s0 : sw[part][1] * a;
               const int i = 4 * (j / 2) + (j % 2);
@@ -1313,7 +1333,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
         retire(Slot0{}, Pre1{});
         load_scales(Pre1{}, g + 3);
       }
-    } else if constexpr (kPipe == 1 && kParts == 2) {
+    } else if constexpr (kPipe == 1 && kTp == 2) {
       // Fused gate + up: one group at a time, scales one group ahead (two ahead spills registers).
       for (; g + 1 < g1; ++g) {
         issue(Slot0{}, Pre0{});
@@ -1368,13 +1388,36 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
           if constexpr (kEarlyTokS) s = tok_s[j];
           else s = token_scale(j);
 #pragma unroll
-          for (int part = 0; part < kParts; ++part) total[part][i] *= s, total[part][i + 2] *= s;
+          for (int part = 0; part < kTp; ++part) total[part][i] *= s, total[part][i + 2] *= s;
         }
       }
     };
-    if constexpr (kParts == 2) {
+    if constexpr (L::kSplit) {
+      // The up warpgroups' sums to the gate warpgroups, which run the epilogue: named barrier 5 says the exchange
+      // buffer is written, 6 that it is read (each 256 threads arriving, 256 waiting).
       apply_token_scales();
-      FusedUpEpilogue<kTok>(p, t, total[0], total[1], red, cw, warp, lane, row0);
+      float4* xchg = reinterpret_cast<float4*>(staging) + ((cw % 2) * 128 + tid);
+      if (my_part == 1) {
+        if (exchanged) sm90::NamedBarrierSync(6, 512);  // the gate warpgroups have read the previous unit's
+#pragma unroll
+        for (int k = 0; k < kTok / 8; ++k)
+          xchg[k * 256] = make_float4(total[0][4 * k], total[0][4 * k + 1], total[0][4 * k + 2], total[0][4 * k + 3]);
+        sm90::NamedBarrierArrive(5, 512);
+        exchanged = true;
+      } else {
+        sm90::NamedBarrierSync(5, 512);
+        float up[kTok / 2];
+#pragma unroll
+        for (int k = 0; k < kTok / 8; ++k) {
+          const float4 v = xchg[k * 256];
+          up[4 * k] = v.x, up[4 * k + 1] = v.y, up[4 * k + 2] = v.z, up[4 * k + 3] = v.w;
+        }
+        sm90::NamedBarrierArrive(6, 512);
+        FusedUpEpilogue<kTok>(p, t, total[0], up, red, cw, warp, lane, row0);
+      }
+    } else if constexpr (kParts == 2) {
+      apply_token_scales();
+      FusedUpEpilogue<kTok>(p, t, total[0], total[kTp - 1], red, cw, warp, lane, row0);
     } else {
       // Epilogue: fn(i, idx) for this thread's accumulators i of rows of this batch and features < F.
       auto for_each_element = [&](auto&& fn) {
@@ -1456,6 +1499,10 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
       apply_token_scales();
       for_each_element([&](int i, int64_t idx) { StoreRounded(p, idx, total[0][i]); });
     }
+  }
+  // The gate warpgroups' last read of the exchange buffer has no matching wait: take it (as below).
+  if constexpr (L::kSplit) {
+    if (my_part == 1 && exchanged) sm90::NamedBarrierSync(6, 512);
   }
   // Warpgroup 1's last turn_pass has no matching wait: take it, so no barrier is left half-arrived.
   if constexpr (ordered) {
@@ -1871,16 +1918,30 @@ cudaError_t LaunchF16(const HopperGemmParams& p, cudaStream_t stream, const Devi
   // 0.93; H200, two rounds: 0.87, 0.85), but within the runs' spread (kernels it does not change moved 0.92-0.98
   // on the H100; main's down M = 64 took 101-209 us) (forty-fifth session).
   const bool wide = kParts == 1 && p.split_k == 1 && p.f % 256 == 0;
+  // The fused up-projection's 16- and 32-token tiles always run on four consumer warpgroups (SplitParts): 128
+  // gate and 128 up rows per unit (HopperGemmSupported: I % 128 == 0, split_k 1). Its 8-token tile keeps two
+  // blocks of two warpgroups per SM: on four it took 1.03x the time (H100, ncu, fifty-first session).
+  if constexpr (kParts == 2) {
+    if (p.split_k != 1 || p.f % kFeatTile) return cudaErrorInvalidValue;  // the handler's check comes first
+  }
   switch (p.tile_tokens) {
     case 8:
       if (wide) return Launch<8, true, 1, true, false, false, false, 4>(p, stream, dev);
       return Launch<8, true, kParts, true>(p, stream, dev);
     case 16:
-      if (wide) return Launch<16, true, 1, true, false, false, false, 4>(p, stream, dev);
-      return Launch<16, true, kParts, true>(p, stream, dev);
+      if constexpr (kParts == 2) {
+        return Launch<16, true, 2, true, false, false, false, 4>(p, stream, dev);
+      } else {
+        if (wide) return Launch<16, true, 1, true, false, false, false, 4>(p, stream, dev);
+        return Launch<16, true, 1, true>(p, stream, dev);
+      }
     case 32:
-      if (wide) return Launch<32, true, 1, true, false, false, false, 4>(p, stream, dev);
-      return Launch<32, true, kParts, true>(p, stream, dev);
+      if constexpr (kParts == 2) {
+        return Launch<32, true, 2, true, false, false, false, 4>(p, stream, dev);
+      } else {
+        if (wide) return Launch<32, true, 1, true, false, false, false, 4>(p, stream, dev);
+        return Launch<32, true, 1, true>(p, stream, dev);
+      }
     case 64: return Launch<64, true, kParts, true>(p, stream, dev);
     case 128:
       if constexpr (kParts == 1) return Launch<128, true, 1, true>(p, stream, dev);
