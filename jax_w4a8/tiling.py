@@ -530,7 +530,10 @@ def moe_up_fuses(m: int, e: int, inter: int, k: int, *, num_sms: int | None = No
 
     Measured (H100, fifty-fifth session, 2-layer DeepSeek-V3 W4A8 model, UE8M0 scales, decode tokens/s, fused /
     unfused): batch 1 (8 rows, wide kernel) 0.993-0.994, batch 128 (1024 rows, wide kernel) 0.947; batch 16 / 32 /
-    64 (K split in two) 0.995 / 1.007 / 1.035-1.051; prefill 1024 tokens (32-token tiles) 1.019."""
+    64 (K split in two) 0.995 / 1.007 / 1.035-1.051; prefill 1024 tokens (32-token tiles) 1.019.
+
+    Raises ValueError naming the size that is not an int in range (``m`` >= 0; ``e``, ``inter``, ``k`` >= 1), as
+    :func:`plan_moe_up`."""
     if plan_moe_up(m, e, inter, k, num_sms=num_sms).kernel != "fused":
         return False
     plain = plan_grouped_gemm(m, e, 2 * inter, k, num_sms=num_sms)

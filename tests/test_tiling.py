@@ -147,6 +147,8 @@ def test_moe_up_fuses_where_the_unfused_gemm_splits_k_or_widens_its_tile():
         assert plain(8 * batch).tile_tokens > 8 and fuses(8 * batch)
     assert tiling.plan_moe_up(8 * 2048, 256, 2048, 7168, num_sms=SMS).kernel == "fused" and fuses(8 * 2048)
     assert tiling.plan_moe_up(8 * 2049, 256, 2048, 7168, num_sms=SMS).kernel == "unfused" and not fuses(8 * 2049)
+    with pytest.raises(ValueError, match="argument 'e'"):
+        tiling.moe_up_fuses(16, 0, 2048, 7168)
 
 
 def test_fused_plan_caps_tile_and_never_splits():

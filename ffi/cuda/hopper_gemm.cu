@@ -521,8 +521,8 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
     h[i] = __fdividef(gate[i], 1.0f + expf(fminf(-gate[i], 88.0f))) * up[i];
   // per token (i / 4, i % 2) of this thread: the static scale, the UE8M0 one's reciprocal or the float32 one
   float scale[kTok / 4];
-  const bool by_reciprocal = p.down_scale == nullptr && p.h_scale_ue8m0;
   const bool dynamic = p.down_scale == nullptr;
+  const bool by_reciprocal = dynamic && p.h_scale_ue8m0;
   if (!dynamic) {
     const float s = *p.down_scale;
 #pragma unroll
@@ -1417,7 +1417,7 @@ __global__ void __launch_bounds__(ThreadsOf<kTok, kTokenRows, kCw>(), Occupancy<
       }
     } else if constexpr (kParts == 2) {
       apply_token_scales();
-      FusedUpEpilogue<kTok>(p, t, total[0], total[kTp - 1], red, cw, warp, lane, row0);
+      FusedUpEpilogue<kTok>(p, t, total[0], total[1], red, cw, warp, lane, row0);
     } else {
       // Epilogue: fn(i, idx) for this thread's accumulators i of rows of this batch and features < F.
       auto for_each_element = [&](auto&& fn) {
