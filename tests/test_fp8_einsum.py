@@ -177,6 +177,37 @@ def test_float16_output_refused(rng):
     assert np.isfinite(np.asarray(ops.fp8_einsum("md,nd->mn", *a.values()).astype(jnp.float32))).all()
 
 
+def test_ue8m0_must_be_a_static_bool(rng):
+    a = _good(rng)
+    for bad in ("False", None, 1, np.array([True, False])):
+        with pytest.raises(TypeError, match="argument 'ue8m0'"):
+            ops.fp8_einsum("md,nd->mn", *a.values(), ue8m0=bad)
+
+
+def test_pack_ue8m0_arg_must_be_a_name():
+    for bad in (5, None, ""):
+        with pytest.raises(TypeError, match="argument 'arg'"):
+            ops.pack_ue8m0(jnp.array([2.0]), arg=bad)
+
+
+def test_extreme_ue8m0_codes_match_float64_on_the_cpu_handler(rng):
+    """Code 0 is 2**-127, a float32 subnormal, which XLA's CPU runtime flushes to zero: the CPU handler applies it
+    as IEEE float32 does (as the CUDA kernels), so activation codes 0..20 against weight codes 234..254 (products
+    2**-20 .. 2**20) match float64; once gave 0 wherever code 0 met code 254."""
+    m, n, k = 5, 7, 256
+    x8 = jnp.asarray(rng.uniform(-448, 448, (m, k)), jnp.float8_e4m3fn)
+    w8 = jnp.asarray(rng.uniform(-448, 448, (n, k)), jnp.float8_e4m3fn)
+    sx = rng.integers(0, 21, (m, k // 128)).astype(np.uint8)
+    sx[0] = 0
+    sw = rng.integers(234, 255, (1, k // 128)).astype(np.uint8)
+    sw[0, 0] = 254
+    ref = np_ref.fp8_einsum_mhk(x8[:, None], sx[:, None], w8[None], sw[None])[:, 0]
+    assert np.abs(ref[0]).max() > 1e-3  # the row of code-0 scales holds normal numbers
+    out = run("md,nd->mn", (x8, jnp.asarray(sx), w8, jnp.asarray(sw)), jax.devices("cpu")[0], (m, n),
+              out_dtype=jnp.float32)
+    assert np_ref.rel_err(out, ref) <= 1e-6
+
+
 def test_e8m0fnu_dtype_scales_decode_exactly():
     s = np.array([0.25, 8.0], ml_dtypes.float8_e8m0fnu)
     from jax_w4a8 import reference

@@ -200,6 +200,30 @@ def test_group_sizes_of_another_int_width_are_refused_before_narrowing(rng):
     check(tuple(a.values()), np.asarray(out.astype(jnp.float32)), jnp.bfloat16)
 
 
+def test_python_int_group_sizes_past_int32_are_refused(rng):
+    """A list of Python ints is converted to int32 by jnp.asarray, which overflows (OverflowError) past 2**31."""
+    a = _good(rng)
+    for bad in ([2**31, 0], [0, -2**31 - 1], [2**70, 0]):
+        with pytest.raises(ValueError, match="argument 'group_sizes' must hold int32 values"):
+            ops.w4a8_grouped_gemm(**{**a, "group_sizes": bad})
+    out = ops.w4a8_grouped_gemm(**{**a, "group_sizes": [2**31 - 1, -2**31]})  # in range: clamped to M
+    check((*tuple(a.values())[:4], jnp.asarray([2**31 - 1, -2**31], jnp.int32)), np.asarray(out.astype(jnp.float32)),
+          jnp.bfloat16)
+
+
+def test_subnormal_activation_scale_on_the_cpu_handler(rng):
+    """A float32 subnormal scale (1e-39) is applied as IEEE float32 does, not flushed to zero as XLA's CPU runtime
+    would (the outputs, about 1e-37, are normal numbers; once all 0). The product of the two scales is itself
+    subnormal, so it keeps fewer mantissa bits (IEEE float32, as on the GPU): 1e-3 against float64."""
+    x8, _, w, ws, gs = make_case(rng, 16, 256, 8, [8, 8])
+    args = (x8, jnp.float32(1e-39), w, ws, gs)
+    out = run_poisoned(functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi"), (16, 8),
+                       jnp.float32, args, jax.devices("cpu")[0])
+    ref = np_ref.grouped_gemm(*args)
+    assert np.abs(ref).max() > 1e-38
+    assert np_ref.rel_err(out, ref) <= 1e-3
+
+
 def test_bad_options(rng):
     a = _good(rng)
     with pytest.raises(ValueError, match="'impl'"):

@@ -4,6 +4,7 @@
 
 #include "../common/checks.h"
 #include "../common/formats.h"
+#include "ieee_denormals.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_w4a8 {
@@ -26,6 +27,7 @@ ffi::Error Fp8EinsumCpu(ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer
         return Invalid("fp8_einsum", std::string(s == &x_scale ? "x_scale" : "w_scale") +
                                          " holds UE8M0 code 0xFF, which is NaN");
   }
+  const IeeeDenormalsScope ieee;  // UE8M0 code 0 is the subnormal 2^-127 (ieee_denormals.h)
   const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   const int64_t m = d.m, h = d.h, n = d.n, k = d.k, groups = d.groups;

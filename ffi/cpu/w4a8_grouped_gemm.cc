@@ -5,6 +5,7 @@
 #include "../common/checks.h"
 #include "../common/formats.h"
 #include "../common/groups.h"
+#include "ieee_denormals.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_w4a8 {
@@ -16,6 +17,7 @@ ffi::Error W4a8GroupedGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::Any
   GroupedGemmDims d;
   if (auto err = CheckGroupedGemm(x, x_scale, w, w_scale, group_sizes, *out, &d); err.failure())
     return err;
+  const IeeeDenormalsScope ieee;  // subnormal float32 scales count, as on the GPU (ieee_denormals.h)
   const auto* xp = static_cast<const uint8_t*>(x.untyped_data());
   const auto* sa = static_cast<const float*>(x_scale.untyped_data());
   const auto* wp = static_cast<const int8_t*>(w.untyped_data());
