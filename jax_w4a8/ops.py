@@ -53,6 +53,11 @@ def _check_group_sizes_dtype(op, group_sizes):
     """``group_sizes`` of another integer width (NumPy's default int64, np.bincount's output) is refused before
     ``jnp.asarray`` narrows it to int32, which would wrap sizes past 2**31 silently (x64 off)."""
     dt = getattr(group_sizes, "dtype", None)
+    if dt is None and isinstance(group_sizes, (list, tuple)):  # Python ints, which jnp.asarray would overflow on
+        vals = [v for v in np.asarray(group_sizes, dtype=object).ravel() if isinstance(v, (int, np.integer))]
+        bad = [int(v) for v in vals if not -2**31 <= int(v) < 2**31]
+        if bad:
+            _fail(op, "group_sizes", f"must hold int32 values (each in [-2**31, 2**31)), got {bad[0]}")
     if dt is not None and jnp.dtype(dt) != jnp.int32:
         _fail(op, "group_sizes", f"must have dtype int32, got {jnp.dtype(dt)} (convert with .astype(int32) "
               "after checking the sizes fit)", TypeError)
@@ -123,8 +128,10 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
       x_scale: float32 activation dequant scale: a scalar (per tensor), [M] (per token) or
         [M, K // 128] (per token and 128-channel group).
       w: int8 (or uint8) packed int4 weights [E, N, K // 2] (see :func:`jax_w4a8.quant.pack_int4`).
-      w_scale: float32 or bfloat16 [E, N, K // 128] weight dequant scales.
-      group_sizes: int32 [E] rows per expert, device data. Negative entries count as 0 and the
+      w_scale: float32 or bfloat16 [E, N, K // 128] weight dequant scales. Scales are not scanned (that would
+        need a host sync): a NaN or infinite scale makes the outputs it multiplies NaN or Inf, as IEEE float32
+        does; subnormal scales are applied as IEEE float32 on the CPU and CUDA handlers.
+      group_sizes: int32 [E] rows per expert, device data (a Python list of ints is checked to fit int32). Negative entries count as 0 and the
         running total is cut at M: no row outside [0, M) is ever touched. Rows at or past the
         (clamped) total are padding and come back as 0.
       out_dtype: bfloat16 (default) or float32; float16 is refused.
@@ -237,6 +244,8 @@ def pack_ue8m0(scale, *, arg: str = "scale", impl="auto"):
     """
     op = "pack_ue8m0"
     _check_impl(op, impl)
+    if not isinstance(arg, str) or not arg:
+        _fail(op, "arg", f"must be a non-empty str (the scale's name in error messages), got {arg!r}", TypeError)
     scale = jnp.asarray(scale)
     _check_dtype(op, arg, scale, [jnp.float32])
     codes = quant.encode_ue8m0(scale)
@@ -312,7 +321,8 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     The contracted size (K or R) must be a multiple of 128; M, N, B, H, D are free.
 
     Scales: float32 multipliers, or UE8M0 codes (uint8 / ``float8_e8m0fnu``) applied as exact powers
-    of two. Code 0xFF (the format's NaN) is rejected for concrete arrays, by the CPU handler and on the
+    of two; code 0 is 2**-127, a float32 subnormal, which the CPU and CUDA handlers apply as IEEE float32 does,
+    while the ``jnp`` reference on XLA's CPU backend (which flushes subnormals) reads it as 0. Code 0xFF (the format's NaN) is rejected for concrete arrays, by the CPU handler and on the
     reference path (a host callback under ``jit``); under ``jit`` on a GPU codes are not scanned (that would
     need a host sync), so a 0xFF code there yields NaN like any NaN scale; this library's encoders never produce 0xFF. ``ue8m0=True`` declares
     float32 scales to be powers of two: they are packed into codes with a mask, and any value with
@@ -334,6 +344,7 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     op = "fp8_einsum"
     rank = _parse_equation(equation)
     _check_impl(op, impl)
+    ue8m0 = _check_flag(op, "ue8m0", ue8m0)
     out_dtype = _check_out_dtype(op, out_dtype)
     x, x_scale, w, w_scale = map(jnp.asarray, (x, x_scale, w, w_scale))
     _check_dtype(op, "x", x, [jnp.float8_e4m3fn])
@@ -587,8 +598,8 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     except ValueError as exc:
         raise ValueError(f"{op}: {exc}") from None
     if impl == "reference":
-        return reference.w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, down_input_scale=down_input_scale,
-                                     ue8m0=ue8m0)
+        return reference.w4a8_moe_up(*map(jnp.asarray, (x, x_scale, w13, w13_scale, group_sizes)),
+                                     down_input_scale=down_input_scale, ue8m0=ue8m0)
     if plan.kernel == "unfused" or inter % 128 or not _fused_up_supported(e):  # static scale, I % 128: composed
         return unfused(impl)
     x_scale = jnp.asarray(x_scale)

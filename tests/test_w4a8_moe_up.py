@@ -268,3 +268,15 @@ def test_many_rows_per_expert_take_the_composed_ops(rng, device, scales):
     f8, _ = run_up(other, args, device, static)
     same = np.mean(np.asarray(f8).view(np.uint8) == np.asarray(h8).view(np.uint8))
     assert 0.95 < same  # about 0.98 (bfloat16 gate and up in the composed ops)
+
+
+def test_reference_path_takes_what_the_other_paths_take(rng):
+    """Python lists and scalars (a plain group_sizes list, a float x_scale): the reference path converts them as the
+    kernels' paths do (it once passed them on raw and failed with AttributeError)."""
+    x8, _, w13, s13, _ = make_case(rng, 8, 128, 256, [4, 4])
+    x_scale, sizes = 0.5, [4, 4]
+    args = (x8, jnp.float32(x_scale), w13, s13, jnp.asarray(sizes, jnp.int32))
+    for kind in SCALES:
+        kw, s = scale_args(kind, args)
+        h8, scale = ops.w4a8_moe_up(x8, x_scale, w13, s13, sizes, impl="reference", **kw)
+        check(h8, scale, args, s, ue8m0=kw["ue8m0"])
