@@ -422,7 +422,10 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
 
     Same contract as :func:`jax_w4a8.quant.quantize_fp8_groups` (its reference):
     ``amax = max(|x| over the group, 1e-4)``, ``s = amax / 448`` (rounded up to a power of two first
-    when ``ue8m0``), ``x8 = e4m3(x / s)`` saturating.
+    when ``ue8m0``), ``x8 = e4m3(x / s)`` saturating. The kernels divide correctly rounded (IEEE float32); the
+    ``jnp`` reference goes through XLA, which turns a division by a constant or a broadcast divisor into a
+    multiplication by its reciprocal (on the CPU backend about half of all scales come out one ulp off, and a
+    code moves one step where that crosses an e4m3 rounding boundary).
 
     Args:
       x: bfloat16 or float32 [..., K], K a multiple of 128 (other group sizes use the reference).
