@@ -185,7 +185,7 @@ def main(argv=None) -> int:
         p.error(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.top_k is not None and args.top_k < 1:
         p.error(f"--top-k must be >= 1, got {args.top_k}")
-    if not 0 <= args.seed < 2**63:
+    if not 0 <= args.seed < 2**63:       # generate()'s range (generate.SEED_LIMIT; jax is not imported yet)
         p.error(f"--seed must be in [0, 2**63), got {args.seed}")
     if args.checkpoint is not None and not os.path.isdir(args.checkpoint):
         p.error(f"--checkpoint {args.checkpoint}: no such directory")
@@ -270,10 +270,13 @@ def main(argv=None) -> int:
     stream.close()
     print("-" * 72)
     stop = "EOS" if tokens[0] and tokens[0][-1] in eos else f"max {args.max_new_tokens} tokens"
+    if st.decode_steps:
+        decode = (f"decode: {st.decode_tokens} tokens in {st.decode_s:.3f} s ({st.decode_tokens_per_s:,.1f} "
+                  f"tokens/s, {st.decode_step_s * 1e3:.2f} ms/step)")
+    else:                   # the only new token came from the prefill logits: no rate to report
+        decode = "decode: no steps (the one new token came from the prefill)"
     print(f"prefill: {st.prompt_tokens} tokens in {st.prefill_s * 1e3:.1f} ms ({st.prefill_tokens_per_s:,.0f} "
-          f"tokens/s) | decode: {st.decode_tokens} tokens in {st.decode_s:.3f} s ({st.decode_tokens_per_s:,.1f} "
-          f"tokens/s, {st.decode_step_s * 1e3:.2f} ms/step) | stopped at {stop} | compilation "
-          f"{st.compile_s:.1f} s (excluded)")
+          f"tokens/s) | {decode} | stopped at {stop} | compilation {st.compile_s:.1f} s (excluded)")
     return 0
 
 

@@ -58,6 +58,17 @@ def test_moe_up_fused_runs_and_needs_a_bf16_model(capsys):
     assert "--moe-up" in err and "bf16" in err
 
 
+def test_one_new_token_closing_line_has_no_nan(capsys):
+    """--max-new-tokens 1: the token comes from the prefill logits and no decode step runs; the closing line says
+    so instead of "decode: 0 tokens in 0.000 s (0.0 tokens/s, nan ms/step)"."""
+    assert cli.main(["--max-new-tokens", "1"]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("prefill:"))
+    assert "nan" not in line.lower(), line
+    assert re.fullmatch(r"prefill: \d+ tokens in [\d.]+ ms \([\d,]+ tokens/s\) \| decode: no steps \(the one new "
+                        r"token came from the prefill\) \| stopped at (EOS|max 1 tokens) \| compilation [\d.]+ s "
+                        r"\(excluded\)", line), line
+
+
 def test_checkpoint_dir_without_chat_template_fp8_sampling(tmp_path, capsys):
     """A checkpoint directory given with --checkpoint: no tokenizer_config.json (raw prompt + BOS from the
     tokenizer's post-processor), FP8 quantization on load, sampling, --attention auto (eager without a GPU)."""
@@ -92,6 +103,7 @@ def test_missing_config_is_a_clear_error(tmp_path, capsys):
                                         (["--top-p", "2"], "--top-p"), (["--top-p", "0"], "--top-p"),
                                         (["--top-p", "nan"], "--top-p"), (["--top-k", "0"], "--top-k"),
                                         (["--seed", "99999999999999999999"], "--seed"),
+                                        (["--seed", "-1"], "--seed"), (["--seed", str(2**63)], "--seed"),
                                         (["--checkpoint", "/nonexistent/dir"], "no such directory")])
 def test_bad_options_fail_before_any_model_loads(args, what, capsys, monkeypatch):
     """Sampling settings and the checkpoint path are argparse errors (exit 2, usage line), raised before the

@@ -422,3 +422,111 @@ def test_compile_time_counts_nested_traces_once():
     finally:
         G._recent[:] = saved[0]
         G._compile_total[0] = saved[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# the step API's cache bound, seeds, argument forms
+# ----------------------------------------------------------------------------------------------
+P8 = [0, 5, 77, 9, 10, 11, 12, 13]          # exactly the 8-slot bucket: no pad slots
+
+
+def _steps(gen, cache, n, key, temperature=0.0):
+    """Greedy (or sampled) prefill of P8 into ``cache``, then ``n`` decode steps: (tokens, cache, state)."""
+    mode, sampling = gen.mode(temperature), gen.sampling(temperature)
+    cache, state = gen.prefill(jnp.asarray([P8], jnp.int32), cache, mode, key, sampling)
+    toks = [int(state.tokens[0])]
+    for _ in range(n):
+        cache, state = gen.decode(cache, state, mode, key, sampling)
+        toks.append(int(state.tokens[0]))
+    return toks, cache, state
+
+
+def test_decode_past_the_end_of_the_cache_raises(fp32_model):
+    """lax.dynamic_update_slice clamps: a decode step on a full cache would overwrite the last slot (wrong tokens,
+    ``length`` past the slots). Generator.decode raises instead, before running; up to the last slot the tokens are
+    those of a larger cache."""
+    gen = Generator(fp32_model)
+    key = jax.random.key(0)
+    want, cache, _ = _steps(gen, gen.init_cache(1, 16), 4, key)
+    assert int(cache.length) == 12 and want == generate(fp32_model, [P8], 5)[0]
+    got, cache, state = _steps(gen, gen.init_cache(1, 10), 2, key)            # slots 8 and 9
+    assert got == want[:3] and int(cache.length) == 10
+    with pytest.raises(ValueError, match=r"all 10 slots .* filled"):
+        gen.decode(cache, state, gen.mode(), key, gen.sampling())
+    with pytest.raises(ValueError, match=r"all 8 slots .* filled"):
+        _steps(gen, gen.init_cache(1, 8), 1, key)
+    with pytest.raises(ValueError, match=r"8 tokens .* 4 slots"):
+        _steps(gen, gen.init_cache(1, 4), 0, key)
+
+
+def test_seeds_beyond_32_bits_give_other_tokens(fp32_model):
+    """A seed below 2**32 keeps jax.random.key(seed) (the tokens of earlier versions); above, the key is the one
+    jax.random.key(seed) gives with 64-bit integers, so seed 2**32 + 5 is not seed 5. Seeds outside [0, 2**63)
+    are refused."""
+    gen = Generator(fp32_model)
+    kw = dict(temperature=1.0)
+    runs = {}
+    for seed in (5, 2**32 - 1, 2**32 + 5, 2**62 + 5):
+        runs[seed] = generate(fp32_model, [P8], 8, seed=seed, **kw)[0]
+        if seed < 2**32:
+            key = jax.random.key(seed)
+        else:
+            with jax.enable_x64(True):
+                key = jax.random.key(seed)
+        assert runs[seed] == _steps(gen, gen.init_cache(1, 16), 7, key, 1.0)[0], seed
+    assert len({tuple(r) for r in runs.values()}) == 4, runs
+    assert generate(fp32_model, [P8], 8, seed=np.uint64(2**32 + 5), **kw)[0] == runs[2**32 + 5]
+    for bad in (-1, 2**63, 1.5, True, "5"):
+        with pytest.raises(ValueError, match="seed"):
+            generate(fp32_model, [P8], 2, seed=bad, **kw)
+
+
+def test_sampled_tokens_depend_on_the_batch(fp32_model):
+    """The documented contract: the same seed gives the same tokens for the same prompts in the same order; a
+    prompt's samples depend on the batch it runs in (one key per step draws the whole [B, V] block)."""
+    q, p = [0, 9, 8, 7], [0, 3, 4]
+    kw = dict(temperature=1.0, seed=5)
+    alone = generate(fp32_model, [q], 8, **kw)[0]
+    batch = generate(fp32_model, [p, q], 8, **kw)
+    assert generate(fp32_model, [p, q], 8, **kw) == batch
+    assert batch[1] != alone                                    # q in row 1, not row 0
+    twice = generate(fp32_model, [q, q], 8, **kw)
+    assert twice[0] != twice[1]                                 # the same prompt twice: two draws
+    assert "same order" in generate.__doc__ and "batch it runs in" in generate.__doc__
+
+
+def test_flat_token_list_is_refused(fp32_model):
+    """[0, 5, 77] is not three one-token prompts: a scalar where a prompt should be is an error, as for a 1-D
+    array."""
+    for bad in ([0, 5, 77], [[0, 5], 77], np.asarray([0, 5, 77])):
+        with pytest.raises(ValueError, match="prompts"):
+            generate(fp32_model, bad, 3)
+    assert generate(fp32_model, [[0], [5], [77]], 1) == [generate(fp32_model, [[t]], 1)[0] for t in (0, 5, 77)]
+
+
+def test_max_positions_warning_counts_the_positions_fed(fp32_model):
+    """The last new token is never fed: 8 prompt tokens + 3 new ones use positions 0..9, 10 positions."""
+    import dataclasses
+    import warnings
+
+    gen = Generator(fp32_model)
+    gen.cfg = dataclasses.replace(fp32_model.cfg, max_position_embeddings=10)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        want = gen.generate([P8], 3)
+    gen.cfg = dataclasses.replace(fp32_model.cfg, max_position_embeddings=9)
+    with pytest.warns(UserWarning, match=r"up to 10 positions, more than .* \(9\)"):
+        assert gen.generate([P8], 3) == want
+
+
+def test_eos_as_a_0d_array_and_out_of_range(fp32_model):
+    prompts = [[0, 5, 77], [0, 1, 2, 3, 4, 5, 6]]
+    free = generate(fp32_model, prompts, 6)
+    eos = free[0][2]
+    want = generate(fp32_model, prompts, 6, eos_token_id=eos)
+    assert len(want[0]) == 3 and want[0][-1] == eos
+    for e in (jnp.int32(eos), jnp.asarray(eos), np.asarray(eos), np.int64(eos), [jnp.int32(eos)]):
+        assert generate(fp32_model, prompts, 6, eos_token_id=e) == want, e
+    for bad in ([eos, 10**12], 2**31, -2**31 - 1, np.int64(2**40)):
+        with pytest.raises(ValueError, match="eos_token_id"):
+            generate(fp32_model, prompts, 6, eos_token_id=bad)

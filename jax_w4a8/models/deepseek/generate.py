@@ -30,7 +30,9 @@ einsum of the dequantized weights).
 
 Sampling (:func:`filter_logits`, :func:`sample_tokens`): greedy when ``temperature == 0``; otherwise the
 logits are divided by the temperature, then top-k, then top-p (nucleus) filtering, then a categorical draw
-with the key ``fold_in(PRNGKey(seed), step)``: the same seed gives the same tokens. Token ids are always in
+with the key ``fold_in(key(seed), step)`` (:func:`seed_key`), one draw over the whole ``[B, V]`` block: the same
+seed gives the same tokens for the same prompts in the same order, and a prompt's samples depend on the batch it
+runs in (its row, the other prompts). Token ids are always in
 ``[0, vocab_size)``: non-finite logits are sanitised before the choice (NaN -> -inf), and the id is clipped.
 ``check_finite=True`` adds one reduction per step and raises :class:`NonFiniteLogitsError` naming the first
 step and sequence whose logits held a NaN or an infinity.
@@ -44,6 +46,7 @@ import math
 import threading
 import time
 import warnings
+import weakref
 from typing import Callable, NamedTuple
 
 import jax
@@ -56,7 +59,7 @@ from jax_w4a8.models.deepseek.model import DeepseekV3ForCausalLM
 
 __all__ = ["generate", "Generator", "MLACache", "DecodeState", "GenerateStats", "NonFiniteLogitsError",
            "filter_logits", "sample_tokens", "length_bucket", "cache_bucket", "forward_cached",
-           "absorbed_weights", "compile_counter"]
+           "absorbed_weights", "compile_counter", "seed_key"]
 
 F32 = jnp.float32
 
@@ -197,6 +200,23 @@ def sample_tokens(logits, key, *, temperature=0.0, top_k=None, top_p=None, greed
     return jnp.clip(tok, 0, v - 1).astype(jnp.int32)
 
 
+SEED_LIMIT = 2**63     # seeds are ints in [0, SEED_LIMIT) (the CLI's --seed too)
+
+
+def seed_key(seed) -> jax.Array:
+    """The sampling key of ``seed``, an int in ``[0, 2**63)``: ``jax.random.key(seed)`` as with 64-bit ints on,
+    so distinct seeds give distinct keys (with them off, ``key`` keeps only the low 32 bits: ``2**32 + 5`` would be
+    ``5``). Seeds below ``2**32`` get the key they always had. Raises ValueError naming ``seed`` otherwise (a bool,
+    a float, a negative int: ``-1`` would be ``2**32 - 1``)."""
+    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
+        raise ValueError(f"generate: seed must be an int in [0, 2**63), got {seed!r}")
+    seed = int(seed)
+    if seed < 2**32:
+        return jax.random.key(seed)
+    with jax.enable_x64(True):                 # key data [seed >> 32, seed & 0xFFFFFFFF]
+        return jax.random.key(seed)
+
+
 def _choose(mode: _Mode, logits, key, sampling, step, prev: DecodeState | None):
     """Sampling + EOS + finiteness bookkeeping for one step: logits [B, V] -> DecodeState."""
     b = logits.shape[0]
@@ -230,6 +250,10 @@ def forward_cached(model: DeepseekV3ForCausalLM, input_ids, cache: MLACache, abs
     transformers' expanded form (:meth:`layers.MLA.attend`). Otherwise: absorbed attention over the whole
     cache (:meth:`layers.MLA.attend_absorbed`, ``absorbed`` from :func:`absorbed_weights`). Pad slots
     (``s < pad[b]``) are masked out and hold zeros; query t sees slots up to its own.
+
+    The T slots must lie inside the cache (``length + T <= T_max``): ``lax.dynamic_update_slice`` clamps the start,
+    so a write past the end would silently overwrite the last slots. Nothing here checks it (the length is on the
+    device); :meth:`Generator.prefill` and :meth:`Generator.decode` do.
     """
     cfg, dtype = model.cfg, model.dtype
     b, t = input_ids.shape
@@ -401,7 +425,13 @@ def _as_rows(prompts, vocab: int) -> list[list[int]]:
                              f"{arr.shape}")
         rows = [list(map(int, r)) for r in arr]
     else:
-        rows = [list(map(int, _token_ids(r, f"prompt {i}").reshape(-1))) for i, r in enumerate(prompts)]
+        rows = []
+        for i, r in enumerate(prompts):
+            a = _token_ids(r, f"prompt {i}")
+            if a.ndim == 0:      # [0, 5, 77] is one prompt written flat, not three one-token prompts
+                raise ValueError(f"generate: prompts must be a [B, T] array or a list of token lists; prompt {i} "
+                                 f"is the single id {r!r} (one prompt is [[...]])")
+            rows.append(list(map(int, a.reshape(-1))))
     if not rows:
         raise ValueError("generate: no prompts")
     for i, r in enumerate(rows):
@@ -414,11 +444,17 @@ def _as_rows(prompts, vocab: int) -> list[list[int]]:
 
 
 def _eos_tuple(eos) -> tuple:
+    """``eos_token_id`` (None, an int, a numpy or 0-d jax integer, or a sequence of them) as a tuple of ints;
+    ValueError for an id outside int32 (the ids are compared as int32)."""
     if eos is None:
         return ()
-    if isinstance(eos, (int, np.integer)):
-        return (int(eos),)
-    return tuple(int(e) for e in eos)
+    if isinstance(eos, (int, np.integer)) or getattr(eos, "ndim", None) == 0:
+        eos = (eos,)
+    ids = tuple(int(e) for e in eos)
+    bad = [e for e in ids if not -2**31 <= e < 2**31]
+    if bad:
+        raise ValueError(f"generate: eos_token_id {bad[0]} is outside the int32 range")
+    return ids
 
 
 class Generator:
@@ -426,6 +462,10 @@ class Generator:
 
     The weights (and ``kv_b_proj``'s absorbed per-head split) are read when the Generator is made: make a
     new one after changing the model's weights.
+
+    The Generator counts on the host the slots filled in each cache it made (:meth:`init_cache`) or returned
+    (:meth:`prefill`, :meth:`decode`), so those refuse to write past the end of such a cache without reading
+    the device's ``cache.length``. A cache made otherwise (an ``MLACache`` built by hand) is not checked.
 
     Args:
       model: :class:`DeepseekV3ForCausalLM`.
@@ -441,6 +481,28 @@ class Generator:
         self.leaves, treedef = jax.tree.flatten(state)
         self.structure = _Structure(graphdef, treedef)
         self.absorbed = _absorb(self.structure, self.leaves)
+        self._filled: dict[int, tuple] = {}      # id(cache.length) -> (weakref to it, slots filled)
+
+    def _note(self, cache: MLACache, filled: int) -> MLACache:
+        """Records on the host that ``cache`` has ``filled`` slots (forgotten when its length array is freed)."""
+        k, filled_ = id(cache.length), self._filled
+        filled_[k] = (weakref.ref(cache.length, lambda _: filled_.pop(k, None)), filled)
+        return cache
+
+    def _check_room(self, cache: MLACache, n: int, what: str) -> int | None:
+        """Slots filled in ``cache`` if this Generator knows it (else None); ValueError when ``n`` more slots do
+        not fit."""
+        entry = self._filled.get(id(cache.length))
+        if entry is None or entry[0]() is not cache.length:
+            return None
+        filled, cap = entry[1], cache.kv[0].shape[1]
+        if filled + n > cap:
+            if filled == cap:
+                raise ValueError(f"Generator.{what}: the cache is full: all {cap} slots are filled (init_cache("
+                                 f"batch, cache_len) needs cache_len >= prompt bucket + new tokens - 1)")
+            raise ValueError(f"Generator.{what}: {n} tokens do not fit a cache of {cap} slots with {filled} "
+                             f"filled")
+        return filled
 
     # -- pieces ----------------------------------------------------------------------------------
     def init_cache(self, batch: int, cache_len: int, pad=None) -> MLACache:
@@ -449,7 +511,7 @@ class Generator:
         width = c.kv_lora_rank + c.qk_rope_head_dim
         pad = jnp.zeros((batch,), jnp.int32) if pad is None else jnp.asarray(pad, jnp.int32)
         kv = tuple(jnp.zeros((batch, cache_len, width), self.cache_dtype) for _ in range(c.num_hidden_layers))
-        return MLACache(kv, pad, jnp.zeros((), jnp.int32))
+        return self._note(MLACache(kv, pad, jnp.zeros((), jnp.int32)), 0)
 
     @staticmethod
     def mode(temperature=0.0, top_k=None, top_p=None, check_finite=False) -> _Mode:
@@ -469,13 +531,22 @@ class Generator:
 
     def prefill(self, input_ids, cache: MLACache, mode: _Mode, key, sampling):
         """``input_ids`` int32 [B, T] (left-padded, ``cache.pad``) into an empty cache; chooses token 0.
-        Returns ``(cache, DecodeState)``; the cache argument is donated."""
-        return _prefill(self.structure, mode, self.leaves, input_ids, cache, key, sampling)
+        Returns ``(cache, DecodeState)``; the cache argument is donated. Raises ValueError, before running,
+        when the T tokens do not fit the cache or it is not empty (for a cache this Generator counts)."""
+        t = input_ids.shape[1]
+        filled = self._check_room(cache, t, "prefill")
+        if filled:
+            raise ValueError(f"Generator.prefill: the cache must be empty, {filled} slots are filled")
+        cache, state = _prefill(self.structure, mode, self.leaves, input_ids, cache, key, sampling)
+        return self._note(cache, t), state
 
     def decode(self, cache: MLACache, state: DecodeState, mode: _Mode, key, sampling):
-        """One decode step: feeds ``state.tokens``, chooses the next token. Returns ``(cache, DecodeState)``;
-        the cache argument is donated."""
-        return _decode(self.structure, mode, self.leaves, self.absorbed, cache, state, key, sampling)
+        """One decode step: feeds ``state.tokens`` into slot ``cache.length``, chooses the next token. Returns
+        ``(cache, DecodeState)``; the cache argument is donated. Raises ValueError, before running, when every
+        slot of the cache is filled (for a cache this Generator counts: the write would overwrite the last slot)."""
+        filled = self._check_room(cache, 1, "decode")
+        cache, state = _decode(self.structure, mode, self.leaves, self.absorbed, cache, state, key, sampling)
+        return (cache, state) if filled is None else (self._note(cache, filled + 1), state)
 
     # -- the loop --------------------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int, *, temperature: float = 0.0, top_k: int | None = None,
@@ -496,10 +567,13 @@ class Generator:
             raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")  # NaN fails the test
         if not 0 <= pad_token_id < vocab:
             raise ValueError(f"generate: pad_token_id {pad_token_id} outside [0, {vocab})")
+        key = seed_key(seed)
+        _eos_tuple(eos_token_id)                      # raises before anything compiles
         b = len(rows)
         lens = [len(r) for r in rows]
-        if max(lens) + max_new_tokens > self.cfg.max_position_embeddings:
-            warnings.warn(f"generate: up to {max(lens) + max_new_tokens} positions, more than the model's "
+        positions = max(lens) + max(max_new_tokens, 1) - 1      # the last new token is never fed
+        if positions > self.cfg.max_position_embeddings:
+            warnings.warn(f"generate: up to {positions} positions, more than the model's "
                           f"max_position_embeddings ({self.cfg.max_position_embeddings})", stacklevel=3)
         t_b = length_bucket(max(lens))
         cache_len = cache_bucket(t_b + max(max_new_tokens, 1) - 1)
@@ -514,7 +588,6 @@ class Generator:
         pad = np.asarray([t_b - n for n in lens], np.int32)
         mode = self.mode(temperature, top_k, top_p, check_finite)
         sampling = self.sampling(temperature, top_k, top_p, eos_token_id)
-        key = jax.random.key(seed)
 
         c0, n0 = compile_counter()
         t0 = time.perf_counter()
@@ -581,8 +654,12 @@ def generate(model: DeepseekV3ForCausalLM, prompts, max_new_tokens: int, *, temp
       temperature: 0 = greedy (argmax); > 0 samples from ``softmax(logits / temperature)`` after top-k and
         top-p filtering (:func:`filter_logits`).
       top_k, top_p: None (off), or the usual filters (only used when sampling).
-      eos_token_id: None (never stop early), an id, or a sequence of ids: a row stops after emitting one.
-      seed: the sampling seed (the same seed, prompts and settings give the same tokens).
+      eos_token_id: None (never stop early), an id (an int, a numpy or 0-d jax integer), or a sequence of ids:
+        a row stops after emitting one.
+      seed: the sampling seed, an int in ``[0, 2**63)`` (:func:`seed_key`; distinct seeds, distinct keys). The
+        same seed, settings and batch of prompts **in the same order** give the same tokens. One key per step
+        draws the whole ``[B, V]`` block, so a prompt's samples depend on the batch it runs in: its row, and
+        the other prompts (alone, or in another row, it gets other samples).
       stream: called after every step as ``stream(tokens, active)``: ``tokens`` int32 numpy [B] are the
         tokens chosen at this step, ``active`` bool numpy [B] says which of them are real new tokens (False
         for rows that had already finished). The first call carries the token chosen from the prefill.
@@ -596,6 +673,12 @@ def generate(model: DeepseekV3ForCausalLM, prompts, max_new_tokens: int, *, temp
       ``list[list[int]]``: for each prompt, its new tokens (not the prompt), in order; a row that emitted an
       EOS ends with that EOS id; every id is in ``[0, vocab_size)``. With ``return_stats``:
       ``(tokens, GenerateStats)``.
+    Raises:
+      ValueError (before anything compiles): a bad setting (temperature, top_k, top_p, pad_token_id, a seed
+      outside ``[0, 2**63)``, an ``eos_token_id`` outside int32), an empty prompt, an id outside the
+      vocabulary, or a flat list of ids (``[0, 5, 77]``: one prompt is ``[[0, 5, 77]]``). TypeError:
+      non-integer token ids. Warns when the prompt and new tokens need more than
+      ``max_position_embeddings`` positions (``len(prompt) + max_new_tokens - 1``).
     """
     gen = Generator(model, cache_dtype=cache_dtype)
     return gen.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
