@@ -472,10 +472,11 @@ def main(argv=None):
     p.add_argument("--attention", choices=("eager", "cudnn", "auto"), default="auto",
                    help="prefill attention of every variant (DeepseekV3ForCausalLM.set_attention; default auto, "
                         "the model's)")
-    p.add_argument("--moe-up", nargs="+", choices=("unfused", "fused", "auto"), default=["unfused"],
-                   help="the w4a8 variant's routed up-projection (DeepseekV3ForCausalLM.set_moe_up), one run per "
-                        "name on the same weights, e.g. --moe-up unfused fused (with float32 activation scales, or UE8M0 ones "
-                        "with --ue8m0)")
+    p.add_argument("--moe-up", nargs="+", choices=("unfused", "fused", "auto"), default=["auto"],
+                   help="the w4a8 variant's routed up-projection (DeepseekV3ForCausalLM.set_moe_up; default auto, "
+                        "the model's), one run per name on the same weights, e.g. --moe-up unfused fused (with "
+                        "float32 activation scales, or UE8M0 ones with --ue8m0); rows of a setting other than auto "
+                        "are named w4a8-SETTING-up (before the fifty-seventh session plain w4a8 rows were unfused)")
     p.add_argument("--ue8m0", action="store_true",
                    help="the w4a8 variant with UE8M0 (power-of-two) activation scales, QuantConfig.w4a8(ue8m0=True)")
     p.add_argument("--tiny", action="store_true", help="small widths, CPU smoke test")
@@ -533,9 +534,8 @@ def main(argv=None):
         print(f"w4a8 model{' (UE8M0 activation scales)' if args.ue8m0 else ''} made in {time.perf_counter() - t0:.1f} s",
               flush=True)
         for impl in args.moe_up:  # the same weights under each implementation, in this one process
-            if impl != "unfused" or len(args.moe_up) > 1:  # (packages from before set_moe_up: unfused alone)
-                model.set_moe_up(impl)
-            name = "w4a8" + ("-ue8m0" if args.ue8m0 else "") + ("" if impl == "unfused" else f"-{impl}-up")
+            model.set_moe_up(impl)
+            name = "w4a8" + ("-ue8m0" if args.ue8m0 else "") + ("" if impl == "auto" else f"-{impl}-up")
             run_variant(name + tag, model, cfg, args, rows)
             save_partial()
         _free(model)

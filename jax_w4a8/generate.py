@@ -173,8 +173,8 @@ def main(argv=None) -> int:
                         "on a GPU)")
     p.add_argument("--moe-up", choices=["unfused", "fused", "auto"], default=None,
                    help="how W4A8 routed experts form the down projection's input (bf16 models): "
-                        "unfused (the default: gate+up GEMM to bf16, then SiLU-mul and quantizer), fused (one "
-                        "Hopper kernel) or auto (fused where it measured faster: jax_w4a8.tiling.moe_up_fuses)")
+                        "unfused (gate+up GEMM to bf16, then SiLU-mul and quantizer), fused (one Hopper kernel) "
+                        "or auto (the default: fused where it measured faster, jax_w4a8.tiling.moe_up_fuses)")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")

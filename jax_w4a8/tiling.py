@@ -524,17 +524,22 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
 def moe_up_fuses(m: int, e: int, inter: int, k: int, *, num_sms: int | None = None) -> bool:
     """Whether a model's ``moe_up="auto"`` (``DeepseekV3ForCausalLM.set_moe_up``) fuses the up-projection of M
     routed rows over E experts: where :func:`plan_moe_up` takes the fused kernel (up to ``FUSED_UP_MAX_ROWS``
-    expected rows per expert), except where the composed path's gate+up GEMM (:func:`plan_grouped_gemm`, N = 2I)
-    runs 8-token tiles on whole units (split-K 1: the wide kernel, 256 weight rows per block), which the fused
-    kernel's 8-token tile, with no wide form, does not beat.
+    expected rows per expert) and there is at least one expected row per expert (M >= E), except where the
+    composed path's gate+up GEMM (:func:`plan_grouped_gemm`, N = 2I) runs 8-token tiles on whole units (split-K 1:
+    the wide kernel, 256 weight rows per block), which the fused kernel's 8-token tile, with no wide form, does not
+    beat.
 
-    Measured (H100, fifty-fifth session, 2-layer DeepSeek-V3 W4A8 model, UE8M0 scales, decode tokens/s, fused /
-    unfused): batch 1 (8 rows, wide kernel) 0.993-0.994, batch 128 (1024 rows, wide kernel) 0.947; batch 16 / 32 /
-    64 (K split in two) 0.995 / 1.007 / 1.035-1.051; prefill 1024 tokens (32-token tiles) 1.019.
+    Measured (H100, 2-layer DeepSeek-V3 W4A8 model, ``bench_generate.py --moe-up unfused fused``, decode step
+    time unfused / fused, above 1 where fused is faster; fifty-seventh session, two rounds each, UE8M0 | float32
+    activation scales): below one row per expert, batch 8 / 16 (64 / 128 rows, K split in two) 0.998 / 0.991-0.995
+    | 0.968 / 0.984-0.986; from one row per expert, batch 32 / 64 (K split in two) 1.006-1.007 / 1.044-1.045 |
+    1.029-1.031 / 1.088-1.097; where the unfused GEMM runs the wide kernel, batch 1 / 128, 0.984-0.985 /
+    0.945-0.948 | 0.991 / 0.943-0.944; batch 256 (16-token tiles) 1.004 | 1.006; prefill 1024 tokens 1.017-1.040 |
+    1.031-1.034. The fifty-fifth session's UE8M0 run agreed (batch 16 / 32 / 64: 0.995 / 1.007 / 1.035-1.051).
 
     Raises ValueError naming the size that is not an int in range (``m`` >= 0; ``e``, ``inter``, ``k`` >= 1), as
     :func:`plan_moe_up`."""
-    if plan_moe_up(m, e, inter, k, num_sms=num_sms).kernel != "fused":
+    if plan_moe_up(m, e, inter, k, num_sms=num_sms).kernel != "fused" or m < e:
         return False
     plain = plan_grouped_gemm(m, e, 2 * inter, k, num_sms=num_sms)
     return plain.split_k > 1 or plain.tile_tokens > 8

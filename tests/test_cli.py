@@ -210,7 +210,8 @@ def test_bench_generate_moe_up_runs_each_setting_on_the_same_weights(tmp_path):
                        "--prefill", "16", "--batches", "2", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "generate.json").read_text())["rows"]
     assert sorted((r["model"], r["phase"]) for r in rows) == [
-        ("w4a8", "decode"), ("w4a8", "prefill"), ("w4a8-fused-up", "decode"), ("w4a8-fused-up", "prefill")]
+        ("w4a8-fused-up", "decode"), ("w4a8-fused-up", "prefill"), ("w4a8-unfused-up", "decode"),
+        ("w4a8-unfused-up", "prefill")]
     assert all("error" not in r and r["tokens_per_s"] > 0 for r in rows), rows
 
 

@@ -607,7 +607,7 @@ def test_w4a8_experts_take_rows_quantized_before_the_gather(rng, ue8m0):
 
 def _fusable_experts(seed, e=8, d=256, i=256, ue8m0=True):
     m = layers.Experts(e, d, i, quant="w4a8", dtype=jnp.bfloat16, ue8m0=ue8m0, rngs=nnx.Rngs(seed))
-    assert m.can_fuse_up and m.moe_up == "unfused"                   # the default
+    assert m.can_fuse_up and m.moe_up == "auto"                      # the default
     return m
 
 
@@ -651,6 +651,7 @@ def test_experts_fused_up_off_hopper_is_the_unfused_sequence(rng, impl, ue8m0):
     also on a GPU host; the GPU test below runs the fused kernel.)"""
     m = _fusable_experts(int(rng.integers(1 << 30)), ue8m0=ue8m0)
     x, sizes = _expert_rows(rng, m, 37)
+    m.moe_up = "unfused"
     want, _ = _run_experts(m, x, sizes)
     m.moe_up = impl
     got, _ = _run_experts(m, x, sizes)
@@ -665,6 +666,7 @@ def test_experts_fused_up_with_static_scales_off_hopper(rng, impl):
     the float64 row loop (whose h is not rounded either)."""
     m = _static_experts(rng, int(rng.integers(1 << 30)))
     x, sizes = _expert_rows(rng, m, 37)
+    m.moe_up = "unfused"
     unfused, _ = _run_experts(m, x, sizes)
     m.moe_up = impl
     got, _ = _run_experts(m, x, sizes)
@@ -743,6 +745,7 @@ def test_experts_fused_up_matches_the_float64_row_loop_on_gpu(rng, rows, scales)
     seed = int(rng.integers(1 << 30))
     m = _static_experts(rng, seed) if scales == "static" else _fusable_experts(seed, ue8m0=scales == "ue8m0")
     x, sizes = jax.device_put(_expert_rows(rng, m, rows), gpu)
+    m.moe_up = "unfused"
     unfused, _ = _run_experts(m, x, sizes)
     m.moe_up = "fused"
     got, text = _run_experts(m, x, sizes)

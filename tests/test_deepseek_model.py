@@ -23,6 +23,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
+from jax_w4a8 import tiling
 from jax_w4a8.models.deepseek import (DeepseekConfig, DeepseekV3ForCausalLM, QuantConfig, forward, jit_forward,
                                       layers, load_checkpoint, save_checkpoint)
 from test_deepseek_layers import (FIXTURES, GOLDEN, _np_router_margins, custom_calls, load_np_reference,
@@ -260,9 +261,11 @@ def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse
                                       rngs=nnx.Rngs(int(rng.integers(1 << 30))))
         experts = [layer.mlp.experts for layer in model.model.layers if isinstance(layer.mlp, layers.MoE)]
         assert len(experts) == cfg.num_hidden_layers - cfg.first_k_dense_replace
-        assert all(e.moe_up == "unfused" and e.can_fuse_up for e in experts)
+        assert all(e.moe_up == "auto" and e.can_fuse_up for e in experts)
         ids = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
-        want = np.asarray(jit_forward(model)(ids), np.float32)
+        # "auto" fuses here (10 tokens x top-2 = 20 rows over 8 experts, K split on a GPU): the default
+        assert tiling.moe_up_fuses(20, 8, 128, 256) and ("w4a8_moe_up" in _forward_targets(model, ids)) == on_gpu
+        want = np.asarray(jit_forward(model.set_moe_up("unfused"))(ids), np.float32)
         assert "w4a8_moe_up" not in _forward_targets(model, ids)
         for impl in ("fused", "auto"):
             assert model.set_moe_up(impl) is model
@@ -282,7 +285,7 @@ def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse
         assert "w4a8_moe_up" not in _forward_targets(f32, ids)
         # float32 dynamic scales (the W4AFP8 checkpoint's default) fuse too
         plain = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(), dtype=jnp.bfloat16, rngs=nnx.Rngs(2))
-        want = np.asarray(jit_forward(plain)(ids), np.float32)
+        want = np.asarray(jit_forward(plain.set_moe_up("unfused"))(ids), np.float32)
         got = np.asarray(jit_forward(plain.set_moe_up("fused"))(ids), np.float32)
         assert ("w4a8_moe_up" in _forward_targets(plain, ids)) == on_gpu
         if on_gpu:
@@ -291,7 +294,7 @@ def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse
             np.testing.assert_array_equal(got, want)
         static = DeepseekV3ForCausalLM(cfg, quant=QuantConfig.w4a8(act_scale="static", input_scales=True),
                                        dtype=jnp.bfloat16, rngs=nnx.Rngs(1))
-        want = np.asarray(jit_forward(static)(ids), np.float32)
+        want = np.asarray(jit_forward(static.set_moe_up("unfused"))(ids), np.float32)
         got = np.asarray(jit_forward(static.set_moe_up("fused"))(ids), np.float32)
         assert ("w4a8_moe_up" in _forward_targets(static, ids)) == on_gpu
         # h no longer rounded to bf16 (on the CPU too: the composed static path quantizes float32 h)

@@ -129,22 +129,27 @@ def test_fused_plan_f16_holds_the_f16_activations():
     assert tiling.plan_moe_up(4096, 32, 2048, 7168, num_sms=SMS, mma="f16").mma == "f16"
 
 
-def test_moe_up_fuses_where_the_unfused_gemm_splits_k_or_widens_its_tile():
-    """A model's moe_up="auto" at DeepSeek-V3 widths (256 experts, I = 2048, K = 7168): unfused where the plain
-    gate+up GEMM runs whole 8-token units (its wide kernel: batch 1 and 128 of top-8 decode), fused where it splits
-    K (batch 2 to 64) or takes tiles above 8 (batch 192 to 1024), unfused above 64 expected rows per expert."""
+def test_moe_up_fuses_from_one_row_per_expert_where_the_unfused_gemm_splits_k_or_widens_its_tile():
+    """A model's moe_up="auto" at DeepSeek-V3 widths (256 experts, I = 2048, K = 7168): unfused below one expected
+    row per expert (batch 2 to 16 of top-8 decode, K split), where the plain gate+up GEMM runs whole 8-token units
+    (its wide kernel: batch 1 and 96 to 128), and above 64 expected rows per expert; fused where that GEMM splits K
+    from one row per expert on (batch 32 to 64) or takes tiles above 8 (batch 192 to 2048)."""
     def fuses(rows):
         return tiling.moe_up_fuses(rows, 256, 2048, 7168, num_sms=SMS)
 
     def plain(rows):
         return tiling.plan_grouped_gemm(rows, 256, 4096, 7168, num_sms=SMS)
 
-    for batch in (1, 128):
+    for batch in (1, 96, 128):
         assert (plain(8 * batch).split_k, plain(8 * batch).tile_tokens) == (1, 8) and not fuses(8 * batch)
-    for batch in (2, 16, 32, 64):
+    for batch in (2, 8, 16, 31):
+        assert plain(8 * batch).split_k > 1 and not fuses(8 * batch)
+    for batch in (32, 48, 64):
         assert plain(8 * batch).split_k > 1 and fuses(8 * batch)
-    for batch in (256, 1024):
+    for batch in (192, 256, 1024):
         assert plain(8 * batch).tile_tokens > 8 and fuses(8 * batch)
+    assert fuses(256) and not fuses(255) and tiling.moe_up_fuses(8, 8, 2048, 7168, num_sms=SMS) == (
+        tiling.plan_grouped_gemm(8, 8, 4096, 7168, num_sms=SMS).split_k > 1)
     assert tiling.plan_moe_up(8 * 2048, 256, 2048, 7168, num_sms=SMS).kernel == "fused" and fuses(8 * 2048)
     assert tiling.plan_moe_up(8 * 2049, 256, 2048, 7168, num_sms=SMS).kernel == "unfused" and not fuses(8 * 2049)
     with pytest.raises(ValueError, match="argument 'e'"):

@@ -567,9 +567,9 @@ def _ragged_nk(x, w, group_sizes, dtype):
 # ``DeepseekV3ForCausalLM.set_moe_up``): "unfused" (the gate+up grouped GEMM to bf16, then SiLU-mul and the
 # quantizer in one kernel: ``ops.silu_mul_quantize_fp8_groups``), "fused" (``ops.w4a8_moe_up``'s fused kernel:
 # SiLU-mul and the quantizer in the GEMM's epilogue, gate and up never in memory, whatever the rows per expert)
-# or "auto" (fused where ``tiling.moe_up_fuses``: up to ``tiling.FUSED_UP_MAX_ROWS`` expected rows per expert,
-# except where the unfused gate+up GEMM runs its wide 8-token kernel; unfused elsewhere, and for experts that cannot
-# fuse: :attr:`Experts.can_fuse_up`).
+# or "auto", the default (fused where ``tiling.moe_up_fuses``: from one to ``tiling.FUSED_UP_MAX_ROWS`` expected rows
+# per expert, except where the unfused gate+up GEMM runs its wide 8-token kernel; unfused elsewhere, and for experts
+# that cannot fuse: :attr:`Experts.can_fuse_up`).
 MOE_UP_IMPLS = ("unfused", "fused", "auto")
 
 
@@ -594,7 +594,7 @@ class Experts(nnx.Module):
       (dynamic: ``ops.silu_mul_quantize_fp8_groups``), or, per :attr:`moe_up`, all three in
       ``ops.w4a8_moe_up``'s fused kernel (gate, up and h then stay float32: not rounded to ``dtype``).
 
-    ``moe_up`` (static, :data:`MOE_UP_IMPLS`, default "unfused"): how W4A8 experts that :attr:`can_fuse_up` form
+    ``moe_up`` (static, :data:`MOE_UP_IMPLS`, default "auto"): how W4A8 experts that :attr:`can_fuse_up` form
     the down projection's input; others always run unfused.
     """
 
@@ -632,7 +632,7 @@ class Experts(nnx.Module):
             raise ValueError(f"Experts: quant must be 'none', 'fp8' or 'w4a8', got {quant!r}")
         if act_scale == "static" and (quant != "w4a8" or not input_scales):
             raise ValueError("Experts: act_scale='static' needs W4A8 experts with input_scales")
-        self.moe_up = "unfused"
+        self.moe_up = "auto"
 
     # -- weights as [E, N, K] in dtype (the "none" and "fp8" paths)
     def _dense_weights(self):

@@ -124,12 +124,12 @@ class DeepseekV3ForCausalLM(nnx.Module):
 
     def set_moe_up(self, implementation: str) -> DeepseekV3ForCausalLM:
         """How every MoE layer's W4A8 routed experts form the down projection's input ``silu(gate) * up``:
-        ``"unfused"`` (the default: the gate+up grouped GEMM writes bf16, then one kernel does SiLU-mul and the
-        down projection's fp8 quantization), ``"fused"`` (``ops.w4a8_moe_up``: all of it in the GEMM's
-        epilogue on Hopper, gate and up never in memory nor rounded to bf16) or ``"auto"`` (fused up to
+        ``"unfused"`` (the gate+up grouped GEMM writes bf16, then one kernel does SiLU-mul and the down
+        projection's fp8 quantization), ``"fused"`` (``ops.w4a8_moe_up``: all of it in the GEMM's epilogue on
+        Hopper, gate and up never in memory nor rounded to bf16) or ``"auto"``, the default (fused from one to
         ``tiling.FUSED_UP_MAX_ROWS`` expected rows per expert, except where the unfused gate+up GEMM runs its wide
-        8-token kernel: :func:`jax_w4a8.tiling.moe_up_fuses`; unfused elsewhere, and in layers whose experts
-        cannot fuse). Fusing needs W4A8 experts in a bf16 model
+        8-token kernel: :func:`jax_w4a8.tiling.moe_up_fuses`, measured on an H100; unfused elsewhere, and in layers
+        whose experts cannot fuse). Fusing needs W4A8 experts in a bf16 model
         (:attr:`layers.Experts.can_fuse_up`). A static part of the model (jitted functions retrace for it).
         Returns the model.
 
