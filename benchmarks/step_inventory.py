@@ -45,8 +45,9 @@ def fusion_kinds(hlo_text: str) -> collections.Counter:
     return collections.Counter((re.sub(r"(\.\d+)+$", "", name), kind) for name, kind in FUSION.findall(hlo_text))
 
 
-def decode_step_texts(layers: int, v3: bool, batch: int = 1, cache_len: int = 64):
-    """(lowered StableHLO, compiled HLO) of one decode step of a W4A8 model with random weights."""
+def decode_step_texts(layers: int, v3: bool, batch: int = 1, cache_len: int = 64, ue8m0: bool = False):
+    """(lowered StableHLO, compiled HLO) of one decode step of a W4A8 model with random weights (UE8M0 activation
+    scales with ``ue8m0``)."""
     import jax
     import jax.numpy as jnp
 
@@ -57,7 +58,7 @@ def decode_step_texts(layers: int, v3: bool, batch: int = 1, cache_len: int = 64
     # the module: the package exports a function of the same name
     gen_mod = importlib.import_module("jax_w4a8.models.deepseek.generate")
     cfg = B.v3_config(layers, 0, tiny=not v3)
-    gen = Generator(B.random_model(cfg, QuantConfig.w4a8(), jnp.bfloat16))
+    gen = Generator(B.random_model(cfg, QuantConfig.w4a8(ue8m0=ue8m0), jnp.bfloat16))
     cache, state = B.decode_inputs(gen, cfg, batch, cache_len // 2, cache_len)
     lowered = gen_mod._decode.lower(gen.structure, gen.mode(), gen.leaves, gen.absorbed, cache, state,
                                     jax.random.key(0), gen.sampling())
@@ -70,13 +71,14 @@ def main(argv=None):
     ap.add_argument("--v3", action="store_true", help="DeepSeek-V3 widths (default: small widths)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--fusions", action="store_true", help="list the compiled step's fusions by name and kind")
+    ap.add_argument("--ue8m0", action="store_true", help="UE8M0 activation scales (QuantConfig.w4a8(ue8m0=True))")
     args = ap.parse_args(argv)
     import jax
 
-    lowered, compiled = decode_step_texts(args.layers, args.v3, args.batch)
+    lowered, compiled = decode_step_texts(args.layers, args.v3, args.batch, ue8m0=args.ue8m0)
     before, after = custom_calls(lowered), custom_calls(compiled)
     print(f"{jax.devices()[0].device_kind}: one decode step, {args.layers} layers, batch {args.batch}, "
-          f"{'V3' if args.v3 else 'small'} widths")
+          f"{'V3' if args.v3 else 'small'} widths{', UE8M0 scales' if args.ue8m0 else ''}")
     print(f"{'custom call':40s} {'lowered':>8s} {'compiled':>9s} {'per layer':>10s}")
     for target in sorted(set(before) | set(after)):
         print(f"{target:40s} {before[target]:8d} {after[target]:9d} {after[target] / args.layers:10.1f}")

@@ -513,10 +513,10 @@ class Linear(nnx.Module):
         if self.quant != "fp8":
             raise ValueError(f"Linear.apply_quantized needs quant='fp8' weights, this one has {self.quant!r}")
         w, ws = _pad_last(self.weight[...]), self.weight_scale_inv[...]
-        if self.ue8m0:
-            # Powers of two by construction (the quantizer rounds them, the loader checks the
-            # checkpoint's): pass 1-byte codes, not fp32 scales that the op would re-check on the host.
-            x_scale, ws = qlib.encode_ue8m0(x_scale), qlib.encode_ue8m0(ws)
+        # UE8M0 scales (``ue8m0``) are float32 powers of two by construction (the quantizer rounds them, the
+        # loader checks the checkpoint's), so the op takes them as float32 multipliers: the same products as
+        # 1-byte codes, without encoding them in every call (two XLA kernels per linear per step: 14 a layer,
+        # about 0.2 ms of a 2-layer decode step on an H100).
         if self.block_aligned:
             y = ops.fp8_einsum("md,nd->mn", x8, x_scale, w, ws, out_dtype=self.dtype)
         else:   # parts off the 128-row grid (tiny test models): one product per part, each on its blocks
@@ -905,21 +905,18 @@ class MLA(nnx.Module):
         a = self.absorbed_weights() if absorbed is None else absorbed
         dtype = q_nope.dtype
         b, t, h, dn = q_nope.shape
-        ue8m0 = self.kv_b_proj.ue8m0
-        # UE8M0 scales are powers of two by construction (quantizer, load-time check): pass 1-byte codes,
-        # never fp32 scales for the op to re-check on the host every decode step.
-        codes = qlib.encode_ue8m0 if ue8m0 else (lambda v: v)
+        ue8m0 = self.kv_b_proj.ue8m0  # scales powers of two, passed as float32 (see Linear.apply_quantized)
         fp8 = "w_kT_scale" in a
         if fp8:
             q8, qs = quantize_act_groups(q_nope.reshape(b * t, h, dn), ue8m0)
-            q_lat = ops.fp8_einsum("bhd,hrd->bhr", q8, codes(qs), a["w_kT"], codes(a["w_kT_scale"]), out_dtype=dtype)
+            q_lat = ops.fp8_einsum("bhd,hrd->bhr", q8, qs, a["w_kT"], a["w_kT_scale"], out_dtype=dtype)
             q_lat = q_lat.reshape(b, t, h, -1)
         else:
             q_lat = _einsum_f32("bthd,hrd->bthr", q_nope, a["w_kT"].astype(dtype), dtype).astype(dtype)
         o_lat = mla_latent_attention(q_lat, q_pe, c_kv, k_pe, mask, c.softmax_scale)
         if fp8:
             o8, os_ = quantize_act_groups(o_lat.reshape(b * t, h, -1), ue8m0)
-            o = ops.fp8_einsum("bhr,hdr->bhd", o8, codes(os_), a["w_v"], codes(a["w_v_scale"]), out_dtype=dtype)
+            o = ops.fp8_einsum("bhr,hdr->bhd", o8, os_, a["w_v"], a["w_v_scale"], out_dtype=dtype)
         else:
             o = _einsum_f32("bthr,hdr->bthd", o_lat, a["w_v"].astype(dtype), dtype).astype(dtype)
         return self.o_proj(o.reshape(b, t, h * c.v_head_dim))
