@@ -334,6 +334,34 @@ def test_missing_unexpected_misshaped_tensors(fp32_ckpt):
     _rewrite(path, fp8)
     with pytest.raises(CheckpointError, match="missing tensor 'model.layers.0.mlp.up_proj.weight_scale_inv'"):
         load_checkpoint(path, progress=False)
+    # a missing FP8 weight whose scale is there is named as missing (its format comes from the scale; the
+    # experts' from any expert weight present), not its scale as unexpected
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    for key in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.experts.0.gate_proj.weight"):
+        _rewrite(path, {k: v for k, v in fp8_weights(cfg, w).items() if k != key}, quantization_config=qc)
+        with pytest.raises(CheckpointError, match=f"missing tensor '{key}'"):
+            load_checkpoint(path, progress=False)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_non_finite_or_negative_weight_scales_are_refused(fp32_ckpt, rng, bad):
+    """A checkpoint scale that is NaN, infinite or negative is a CheckpointError naming the tensor (it would make the
+    layer's outputs NaN or flip their sign, silently): FP8 linears and W4AFP8 experts."""
+    path, cfg, w = fp32_ckpt
+    fp8 = fp8_weights(cfg, w)
+    key = "model.layers.0.self_attn.o_proj.weight"
+    fp8[key + "_scale_inv"] = fp8[key + "_scale_inv"].copy()
+    fp8[key + "_scale_inv"][0, -1] = bad * np.abs(fp8[key + "_scale_inv"][0, -1])
+    _rewrite(path, fp8, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]})
+    with pytest.raises(CheckpointError, match=rf"tensor '{key}': weight_scale_inv holds .* at index \(0, \d+\)"):
+        load_checkpoint(path, progress=False)
+    w4 = w4afp8_weights(cfg, w, rng)
+    key = "model.layers.1.mlp.experts.2.down_proj.weight"
+    w4[key + "_scale_inv"] = w4[key + "_scale_inv"].copy()
+    w4[key + "_scale_inv"].flat[5] = bad * np.abs(w4[key + "_scale_inv"].flat[5])
+    _rewrite(path, w4, quantization_config={"quant_method": "w4afp8"})
+    with pytest.raises(CheckpointError, match=r"weight_scale_inv holds .*scales must be finite and >= 0"):
+        load_checkpoint(path, progress=False)
 
 
 def test_mtp_layers_and_rotary_buffers_are_ignored(fp32_ckpt):

@@ -172,9 +172,21 @@ def _to_f32(src: _Src) -> np.ndarray:
     return _np(_jit_dequantize_w4(src.w, src.s.astype(np.float32), jnp.float32))
 
 
+def _check_scales(s: np.ndarray, what: str):
+    """A checkpoint's dequant scales must be finite and not negative (a NaN, an infinity or a sign would make the
+    layer's outputs NaN or flip them, silently)."""
+    s = np.asarray(s, np.float32)
+    bad = ~np.isfinite(s) | (s < 0)
+    if bad.any():
+        raise CheckpointError(f"{what}: weight_scale_inv holds {s[bad].flat[0]} at index "
+                              f"{tuple(int(i) for i in np.argwhere(bad)[0])} (scales must be finite and >= 0)")
+
+
 def _convert(src: _Src, target: str, dtype: np.dtype, ue8m0: bool, what: str):
     """Source weight [..., N, K(/2)] -> target format ``"none"`` (dtype), ``"fp8"`` (e4m3, f32 blocks) or
     ``"w4a8"`` (packed int8, f32 group scales). Same-format sources are copied bit-exactly."""
+    if src.kind != "float":
+        _check_scales(src.s, what)
     if target == "none":
         if src.kind == "float":
             return src.w.astype(dtype), None
@@ -248,7 +260,9 @@ class _LinearTarget(_Target):
         k = module.in_features
         for src, n in self.sources:
             w = infos.get(src + ".weight")
-            self.kinds[src] = "fp8" if (w is not None and w.dtype == "F8_E4M3") else "float"
+            # a missing weight takes its format from its scale, so that the error names the missing weight
+            fp8 = w.dtype == "F8_E4M3" if w is not None else (src + ".weight_scale_inv") in infos
+            self.kinds[src] = "fp8" if fp8 else "float"
             self.expect(src + ".weight", (n, k), ("F8_E4M3",) if self.kinds[src] == "fp8" else _FLOAT)
             if self.kinds[src] == "fp8":
                 self.expect(src + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)), _FLOAT)
@@ -293,7 +307,9 @@ class _ExpertsTarget(_Target):
             self.expect(prefix + ".gate_up_proj", (e, 2 * i, d), _FLOAT)
             self.expect(prefix + ".down_proj", (e, d, i), _FLOAT)
         else:
-            first = infos.get(prefix + ".0.gate_proj.weight")
+            # the layer's format from its first expert weight present (a missing one is then named as missing)
+            first = next((infos[n] for j in range(e) for proj in _PROJ
+                          if (n := f"{prefix}.{j}.{proj}.weight") in infos), None)
             self.src = _src_kind(first) if first is not None else "float"
             dt = {"float": _FLOAT, "fp8": ("F8_E4M3",), "w4": ("I8",)}[self.src]
             for j in range(e):
