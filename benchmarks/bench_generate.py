@@ -534,7 +534,8 @@ def main(argv=None):
         print(f"w4a8 model{' (UE8M0 activation scales)' if args.ue8m0 else ''} made in {time.perf_counter() - t0:.1f} s",
               flush=True)
         for impl in args.moe_up:  # the same weights under each implementation, in this one process
-            model.set_moe_up(impl)
+            if impl != "auto" or len(args.moe_up) > 1:  # (packages from before set_moe_up: its default alone)
+                model.set_moe_up(impl)
             name = "w4a8" + ("-ue8m0" if args.ue8m0 else "") + ("" if impl == "auto" else f"-{impl}-up")
             run_variant(name + tag, model, cfg, args, rows)
             save_partial()

@@ -53,9 +53,16 @@ def _check_group_sizes_dtype(op, group_sizes):
     """``group_sizes`` of another integer width (NumPy's default int64, np.bincount's output) is refused before
     ``jnp.asarray`` narrows it to int32, which would wrap sizes past 2**31 silently (x64 off)."""
     dt = getattr(group_sizes, "dtype", None)
-    if dt is None and isinstance(group_sizes, (list, tuple)):  # Python ints, which jnp.asarray would overflow on
-        vals = [v for v in np.asarray(group_sizes, dtype=object).ravel() if isinstance(v, (int, np.integer))]
-        bad = [int(v) for v in vals if not -2**31 <= int(v) < 2**31]
+    if dt is None and isinstance(group_sizes, (list, tuple)):  # which jnp.asarray would overflow on or wrap
+        try:
+            a = np.asarray(group_sizes)
+        except ValueError as exc:  # ragged
+            _fail(op, "group_sizes", f"must be a 1-D int32 array [E], got a ragged list ({exc})")
+        if a.dtype == object:      # Python ints past int64
+            vals = [int(v) for v in a.ravel() if isinstance(v, (int, np.integer))]
+        else:
+            vals = a.ravel().tolist() if a.dtype.kind in "iu" else []
+        bad = [v for v in vals if not -2**31 <= v < 2**31]
         if bad:
             _fail(op, "group_sizes", f"must hold int32 values (each in [-2**31, 2**31)), got {bad[0]}")
     if dt is not None and jnp.dtype(dt) != jnp.int32:

@@ -834,17 +834,26 @@ def test_quantize_act_groups_matches_numpy_and_takes_the_kernel(rng, shape, ue8m
         layers.quantize_act_groups(jnp.asarray(x[..., :200]), ue8m0)
 
 
-def test_linear_ue8m0_passes_codes_without_host_check():
-    """UE8M0 scales travel as 1-byte codes: no pack_ue8m0 call (a host-syncing check) in a forward."""
+def test_linear_ue8m0_passes_float32_scales_without_host_check():
+    """UE8M0 scales travel as float32 powers of two (no per-call encoding to codes) and without pack_ue8m0 (a
+    host-syncing check) in a forward."""
     lin = layers.Linear(256, 128, quant="fp8", dtype=jnp.bfloat16, ue8m0=True, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(lin)
     x = jnp.ones((4, 256), jnp.bfloat16)
     text = jax.jit(lambda s, v: nnx.merge(graphdef, s)(v)).lower(state, x).as_text()
     assert "jax_w4a8_fp8_einsum" in text and "jax_w4a8_ue8m0_pack" not in text
+    assert _einsum_scale_types(text) == [("f32", "f32")]
 
 
-def test_absorbed_decode_ue8m0_passes_codes():
-    """The absorbed MLA decode products take UE8M0 codes too: no host-checking pack_ue8m0 per step."""
+def _einsum_scale_types(text):
+    """(x_scale, w_scale) element types of each fp8_einsum custom call in StableHLO text."""
+    calls = [line for line in text.splitlines() if "custom_call @jax_w4a8_fp8_einsum" in line]
+    return [tuple(re.findall(r"tensor<[\dx]*x(\w+)>", line.rsplit(": (", 1)[1])[1:4:2]) for line in calls]
+
+
+def test_absorbed_decode_ue8m0_passes_float32_scales():
+    """The absorbed MLA decode products take UE8M0 scales as float32 powers of two too: no encoding to codes, no
+    host-checking pack_ue8m0 per step."""
     from jax_w4a8.models.deepseek import QuantConfig
     cfg = _small_config(num_hidden_layers=1, n_routed_experts=4)
     mla = layers.MLA(cfg, quant=QuantConfig(linear="fp8", ue8m0=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
@@ -856,3 +865,4 @@ def test_absorbed_decode_ue8m0_passes_codes():
     fn = jax.jit(lambda s, *a: nnx.merge(graphdef, s).attend_absorbed(*a))
     text = fn.lower(state, q_nope, q_pe, c_kv, k_pe, mask).as_text()
     assert "jax_w4a8_fp8_einsum" in text and "jax_w4a8_ue8m0_pack" not in text
+    assert _einsum_scale_types(text) == [("f32", "f32")] * 3  # the two absorbed products and o_proj

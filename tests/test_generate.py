@@ -476,6 +476,7 @@ def test_seeds_beyond_32_bits_give_other_tokens(fp32_model):
         assert runs[seed] == _steps(gen, gen.init_cache(1, 16), 7, key, 1.0)[0], seed
     assert len({tuple(r) for r in runs.values()}) == 4, runs
     assert generate(fp32_model, [P8], 8, seed=np.uint64(2**32 + 5), **kw)[0] == runs[2**32 + 5]
+    assert generate(fp32_model, [P8], 8, seed=jnp.int32(5), **kw)[0] == runs[5]  # a 0-d JAX integer
     for bad in (-1, 2**63, 1.5, True, "5"):
         with pytest.raises(ValueError, match="seed"):
             generate(fp32_model, [P8], 2, seed=bad, **kw)
@@ -529,4 +530,7 @@ def test_eos_as_a_0d_array_and_out_of_range(fp32_model):
         assert generate(fp32_model, prompts, 6, eos_token_id=e) == want, e
     for bad in ([eos, 10**12], 2**31, -2**31 - 1, np.int64(2**40)):
         with pytest.raises(ValueError, match="eos_token_id"):
+            generate(fp32_model, prompts, 6, eos_token_id=bad)
+    for bad in (float(eos) + 0.7, np.float32(eos), jnp.float32(eos), [eos + 0.5], True):  # never truncated
+        with pytest.raises(TypeError, match="eos_token_id"):
             generate(fp32_model, prompts, 6, eos_token_id=bad)

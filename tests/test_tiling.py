@@ -130,10 +130,10 @@ def test_fused_plan_f16_holds_the_f16_activations():
 
 
 def test_moe_up_fuses_from_one_row_per_expert_where_the_unfused_gemm_splits_k_or_widens_its_tile():
-    """A model's moe_up="auto" at DeepSeek-V3 widths (256 experts, I = 2048, K = 7168): unfused below one expected
-    row per expert (batch 2 to 16 of top-8 decode, K split), where the plain gate+up GEMM runs whole 8-token units
-    (its wide kernel: batch 1 and 96 to 128), and above 64 expected rows per expert; fused where that GEMM splits K
-    from one row per expert on (batch 32 to 64) or takes tiles above 8 (batch 192 to 2048)."""
+    """A model's moe_up="auto" at DeepSeek-V3 widths (256 experts, I = 2048, K = 7168, 132 SMs): unfused below one
+    expected row per expert (batch 2 to 31 of top-8 decode, K split), where the plain gate+up GEMM runs whole 8-token
+    units (its wide kernel: batch 1 and 74 to 128), and above 64 expected rows per expert; fused where that GEMM
+    splits K from one row per expert on (batch 32 to 73) or takes tiles above 8 (batch 129 to 2048)."""
     def fuses(rows):
         return tiling.moe_up_fuses(rows, 256, 2048, 7168, num_sms=SMS)
 

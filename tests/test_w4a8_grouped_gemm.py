@@ -203,9 +203,11 @@ def test_group_sizes_of_another_int_width_are_refused_before_narrowing(rng):
 def test_python_int_group_sizes_past_int32_are_refused(rng):
     """A list of Python ints is converted to int32 by jnp.asarray, which overflows (OverflowError) past 2**31."""
     a = _good(rng)
-    for bad in ([2**31, 0], [0, -2**31 - 1], [2**70, 0]):
+    for bad in ([2**31, 0], [0, -2**31 - 1], [2**70, 0], [np.asarray(2**31 + 8), 0], [np.int64(2**40), 0]):
         with pytest.raises(ValueError, match="argument 'group_sizes' must hold int32 values"):
             ops.w4a8_grouped_gemm(**{**a, "group_sizes": bad})
+    with pytest.raises(ValueError, match="argument 'group_sizes' must be a 1-D int32 array"):
+        ops.w4a8_grouped_gemm(**{**a, "group_sizes": [[8], [4, 4]]})
     out = ops.w4a8_grouped_gemm(**{**a, "group_sizes": [2**31 - 1, -2**31]})  # in range: clamped to M
     check((*tuple(a.values())[:4], jnp.asarray([2**31 - 1, -2**31], jnp.int32)), np.asarray(out.astype(jnp.float32)),
           jnp.bfloat16)

@@ -20,15 +20,15 @@ class IeeeDenormalsScope {
     saved_ = _mm_getcsr();
     _mm_setcsr(saved_ & ~kFtzDaz);
 #elif defined(__aarch64__)
-    asm volatile("mrs %0, fpcr" : "=r"(saved_));
-    asm volatile("msr fpcr, %0" : : "r"(saved_ & ~kFz));
+    asm volatile("mrs %0, fpcr" : "=r"(saved_) : : "memory");
+    asm volatile("msr fpcr, %0" : : "r"(saved_ & ~kFz) : "memory");
 #endif
   }
   ~IeeeDenormalsScope() {
 #if defined(__x86_64__) || defined(__i386__)
     _mm_setcsr(saved_);
 #elif defined(__aarch64__)
-    asm volatile("msr fpcr, %0" : : "r"(saved_));
+    asm volatile("msr fpcr, %0" : : "r"(saved_) : "memory");
 #endif
   }
   IeeeDenormalsScope(const IeeeDenormalsScope&) = delete;

@@ -203,14 +203,28 @@ def sample_tokens(logits, key, *, temperature=0.0, top_k=None, top_p=None, greed
 SEED_LIMIT = 2**63     # seeds are ints in [0, SEED_LIMIT) (the CLI's --seed too)
 
 
+def _integer(v) -> int | None:
+    """``v`` as an int when it is one: a Python or NumPy integer, or a 0-d NumPy / JAX integer array (not a
+    bool); None otherwise (floats are not truncated)."""
+    if isinstance(v, (bool, np.bool_)):
+        return None
+    if isinstance(v, (int, np.integer)):
+        return int(v)
+    dt = getattr(v, "dtype", None)
+    if getattr(v, "ndim", None) == 0 and dt is not None and np.issubdtype(dt, np.integer):
+        return int(v)
+    return None
+
+
 def seed_key(seed) -> jax.Array:
     """The sampling key of ``seed``, an int in ``[0, 2**63)``: ``jax.random.key(seed)`` as with 64-bit ints on,
     so distinct seeds give distinct keys (with them off, ``key`` keeps only the low 32 bits: ``2**32 + 5`` would be
-    ``5``). Seeds below ``2**32`` get the key they always had. Raises ValueError naming ``seed`` otherwise (a bool,
-    a float, a negative int: ``-1`` would be ``2**32 - 1``)."""
-    if isinstance(seed, (bool, np.bool_)) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < SEED_LIMIT:
+    ``5``). Seeds below ``2**32`` get the key they always had. A NumPy or 0-d JAX integer works as its value.
+    Raises ValueError naming ``seed`` otherwise (a bool, a float, a negative int: ``-1`` would be ``2**32 - 1``)."""
+    value = _integer(seed)
+    if value is None or not 0 <= value < SEED_LIMIT:
         raise ValueError(f"generate: seed must be an int in [0, 2**63), got {seed!r}")
-    seed = int(seed)
+    seed = value
     if seed < 2**32:
         return jax.random.key(seed)
     with jax.enable_x64(True):                 # key data [seed >> 32, seed & 0xFFFFFFFF]
@@ -445,12 +459,14 @@ def _as_rows(prompts, vocab: int) -> list[list[int]]:
 
 def _eos_tuple(eos) -> tuple:
     """``eos_token_id`` (None, an int, a numpy or 0-d jax integer, or a sequence of them) as a tuple of ints;
-    ValueError for an id outside int32 (the ids are compared as int32)."""
+    TypeError for a value that is not an integer (a float is not truncated), ValueError for an id outside int32
+    (the ids are compared as int32)."""
     if eos is None:
         return ()
-    if isinstance(eos, (int, np.integer)) or getattr(eos, "ndim", None) == 0:
-        eos = (eos,)
-    ids = tuple(int(e) for e in eos)
+    one = getattr(eos, "ndim", None) == 0 or not hasattr(eos, "__iter__")
+    ids = tuple(_integer(e) for e in ((eos,) if one else eos))
+    if None in ids:
+        raise TypeError(f"generate: eos_token_id must be an integer id or a sequence of them, got {eos!r}")
     bad = [e for e in ids if not -2**31 <= e < 2**31]
     if bad:
         raise ValueError(f"generate: eos_token_id {bad[0]} is outside the int32 range")
