@@ -20,8 +20,8 @@ from flax import nnx
 
 from jax_w4a8 import quant
 from jax_w4a8.models.deepseek import jit_forward, layers, load_checkpoint
-from jax_w4a8.models.deepseek.generate import (Generator, NonFiniteLogitsError, cache_bucket, filter_logits,
-                                               generate, length_bucket, sample_tokens)
+from jax_w4a8.models.deepseek.generate import (Generator, MLACache, NonFiniteLogitsError, cache_bucket,
+                                               filter_logits, generate, length_bucket, sample_tokens)
 from test_deepseek_layers import FIXTURES, GOLDEN
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "..", "jax_w4a8", "models", "deepseek", "assets", "default")
@@ -457,6 +457,10 @@ def test_decode_past_the_end_of_the_cache_raises(fp32_model):
         _steps(gen, gen.init_cache(1, 8), 1, key)
     with pytest.raises(ValueError, match=r"8 tokens .* 4 slots"):
         _steps(gen, gen.init_cache(1, 4), 0, key)
+    # a cache built by hand (not counted) stays uncounted after prefill: its length is the device's to know
+    kv, pad, _ = gen.init_cache(1, 16)
+    _, hand, _ = _steps(gen, MLACache(kv, pad, jnp.zeros((), jnp.int32)), 1, key)
+    assert gen._check_room(hand, 100, "decode") is None
 
 
 def test_seeds_beyond_32_bits_give_other_tokens(fp32_model):

@@ -554,7 +554,7 @@ class Generator:
         if filled:
             raise ValueError(f"Generator.prefill: the cache must be empty, {filled} slots are filled")
         cache, state = _prefill(self.structure, mode, self.leaves, input_ids, cache, key, sampling)
-        return self._note(cache, t), state
+        return (cache, state) if filled is None else (self._note(cache, t), state)  # a cache it counts stays counted
 
     def decode(self, cache: MLACache, state: DecodeState, mode: _Mode, key, sampling):
         """One decode step: feeds ``state.tokens`` into slot ``cache.length``, chooses the next token. Returns
