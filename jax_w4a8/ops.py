@@ -138,9 +138,9 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
       w_scale: float32 or bfloat16 [E, N, K // 128] weight dequant scales. Scales are not scanned (that would
         need a host sync): a NaN or infinite scale makes the outputs it multiplies NaN or Inf, as IEEE float32
         does; subnormal scales are applied as IEEE float32 on the CPU and CUDA handlers.
-      group_sizes: int32 [E] rows per expert, device data (a Python list of ints is checked to fit int32). Negative entries count as 0 and the
-        running total is cut at M: no row outside [0, M) is ever touched. Rows at or past the
-        (clamped) total are padding and come back as 0.
+      group_sizes: int32 [E] rows per expert, device data (a Python list of ints is checked to fit int32).
+        Negative entries count as 0 and the running total is cut at M: no row outside [0, M) is ever touched.
+        Rows at or past the (clamped) total are padding and come back as 0.
       out_dtype: bfloat16 (default) or float32; float16 is refused.
       impl: "auto", "ffi" or "reference" (module docstring).
       rows_per_expert: optional hint of the expected rows per expert (default M / E) for the CUDA
@@ -329,11 +329,12 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
 
     Scales: float32 multipliers, or UE8M0 codes (uint8 / ``float8_e8m0fnu``) applied as exact powers
     of two; code 0 is 2**-127, a float32 subnormal, which the CPU and CUDA handlers apply as IEEE float32 does,
-    while the ``jnp`` reference on XLA's CPU backend (which flushes subnormals) reads it as 0. Code 0xFF (the format's NaN) is rejected for concrete arrays, by the CPU handler and on the
-    reference path (a host callback under ``jit``); under ``jit`` on a GPU codes are not scanned (that would
-    need a host sync), so a 0xFF code there yields NaN like any NaN scale; this library's encoders never produce 0xFF. ``ue8m0=True`` declares
-    float32 scales to be powers of two: they are packed into codes with a mask, and any value with
-    sign or mantissa bits is rejected (never turned into NaN).
+    while the ``jnp`` reference on XLA's CPU backend (which flushes subnormals) reads it as 0. Code 0xFF (the
+    format's NaN) is rejected for concrete arrays, by the CPU handler and on the reference path (a host callback
+    under ``jit``); under ``jit`` on a GPU codes are not scanned (that would need a host sync), so a 0xFF code
+    there yields NaN like any NaN scale; this library's encoders never produce 0xFF. ``ue8m0=True`` declares
+    float32 scales to be powers of two: they are packed into codes with a mask, and any value with sign or
+    mantissa bits is rejected (never turned into NaN).
 
     Args:
       x, w: float8_e4m3fn operands; out_dtype: bfloat16 or float32; impl: "auto" | "ffi" | "reference";
