@@ -51,7 +51,8 @@ def _check_shape(op, arg, a, expected, what):
 
 def _check_group_sizes_dtype(op, group_sizes):
     """``group_sizes`` of another integer width (NumPy's default int64, np.bincount's output) is refused before
-    ``jnp.asarray`` narrows it to int32, which would wrap sizes past 2**31 silently (x64 off)."""
+    ``jnp.asarray`` narrows it to int32, which would wrap sizes past 2**31 silently (x64 off); a list or tuple
+    (no dtype of its own) must hold values that fit int32, and not be ragged."""
     dt = getattr(group_sizes, "dtype", None)
     if dt is None and isinstance(group_sizes, (list, tuple)):  # which jnp.asarray would overflow on or wrap
         try:

@@ -166,7 +166,8 @@ export EPI_CASES=${EPI_CASES:-"fused512 decode512"}
 step epi_probes 450 bash -c epi_probes
 # 5d. the model's fused up-projection (DeepseekV3ForCausalLM.set_moe_up, fifty-fourth session; main's build): its GPU
 #     tests, then a 2-layer W4A8 model at V3 widths, unfused vs fused on the same weights in one process (decode at
-#     MOE_UP_BATCHES, prefill at MOE_UP_PREFILL tokens; MOE_UP_SCALES=--ue8m0, the default, or empty: float32 scales). Not in the default STEPS: STEPS=moe_up (about 300 s).
+#     MOE_UP_BATCHES, prefill at MOE_UP_PREFILL tokens; MOE_UP_SCALES=--ue8m0, the default, or empty: float32
+#     scales). Not in the default STEPS: STEPS=moe_up (about 300 s).
 moe_up() {
   timeout --foreground 150 python3 -m pytest -q -m gpu tests/test_deepseek_layers.py tests/test_deepseek_model.py \
     -k "fused_up or moe_up" 2>&1 | tail -n 5

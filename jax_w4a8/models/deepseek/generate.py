@@ -220,15 +220,15 @@ def seed_key(seed) -> jax.Array:
     """The sampling key of ``seed``, an int in ``[0, 2**63)``: ``jax.random.key(seed)`` as with 64-bit ints on,
     so distinct seeds give distinct keys (with them off, ``key`` keeps only the low 32 bits: ``2**32 + 5`` would be
     ``5``). Seeds below ``2**32`` get the key they always had. A NumPy or 0-d JAX integer works as its value.
-    Raises ValueError naming ``seed`` otherwise (a bool, a float, a negative int: ``-1`` would be ``2**32 - 1``)."""
+    Returns a scalar typed key (``jax.random.key``'s, shape ``()``). Raises ValueError naming ``seed`` otherwise (a
+    bool, a float, a negative int: ``-1`` would be ``2**32 - 1``)."""
     value = _integer(seed)
     if value is None or not 0 <= value < SEED_LIMIT:
         raise ValueError(f"generate: seed must be an int in [0, 2**63), got {seed!r}")
-    seed = value
-    if seed < 2**32:
-        return jax.random.key(seed)
-    with jax.enable_x64(True):                 # key data [seed >> 32, seed & 0xFFFFFFFF]
-        return jax.random.key(seed)
+    if value < 2**32:
+        return jax.random.key(value)
+    with jax.enable_x64(True):                 # key data [value >> 32, value & 0xFFFFFFFF]
+        return jax.random.key(value)
 
 
 def _choose(mode: _Mode, logits, key, sampling, step, prev: DecodeState | None):
@@ -584,7 +584,7 @@ class Generator:
         if not 0 <= pad_token_id < vocab:
             raise ValueError(f"generate: pad_token_id {pad_token_id} outside [0, {vocab})")
         key = seed_key(seed)
-        _eos_tuple(eos_token_id)                      # raises before anything compiles
+        eos = _eos_tuple(eos_token_id)                # raises before anything compiles
         b = len(rows)
         lens = [len(r) for r in rows]
         positions = max(lens) + max(max_new_tokens, 1) - 1      # the last new token is never fed
@@ -603,7 +603,7 @@ class Generator:
             ids[i, t_b - len(r):] = r
         pad = np.asarray([t_b - n for n in lens], np.int32)
         mode = self.mode(temperature, top_k, top_p, check_finite)
-        sampling = self.sampling(temperature, top_k, top_p, eos_token_id)
+        sampling = self.sampling(temperature, top_k, top_p, eos)
 
         c0, n0 = compile_counter()
         t0 = time.perf_counter()
