@@ -49,26 +49,38 @@ def _check_shape(op, arg, a, expected, what):
         _fail(op, arg, f"must have shape {tuple(expected)} ({what}), got {tuple(a.shape)}")
 
 
-def _check_group_sizes_dtype(op, group_sizes):
-    """``group_sizes`` of another integer width (NumPy's default int64, np.bincount's output) is refused before
-    ``jnp.asarray`` narrows it to int32, which would wrap sizes past 2**31 silently (x64 off); a list or tuple
-    (no dtype of its own) must hold values that fit int32, and not be ragged."""
+def _group_sizes_array(op, group_sizes):
+    """``group_sizes`` as a JAX array, refused (naming it) where ``jnp.asarray`` would change its values.
+
+    An array of another integer width (NumPy's default int64, np.bincount's output) is refused before
+    ``jnp.asarray`` narrows it to int32, which would wrap sizes past 2**31 silently (x64 off). A list or tuple
+    (no dtype of its own) must hold values that fit int32 and not be ragged; it becomes int32 (with x64 on
+    too). A list of traced scalars is stacked as it is (its dtype checked by the caller)."""
     dt = getattr(group_sizes, "dtype", None)
     if dt is None and isinstance(group_sizes, (list, tuple)):  # which jnp.asarray would overflow on or wrap
+        if any(isinstance(v, jax.core.Tracer) for v in group_sizes):
+            return jnp.asarray(group_sizes)
         try:
             a = np.asarray(group_sizes)
         except ValueError as exc:  # ragged
             _fail(op, "group_sizes", f"must be a 1-D int32 array [E], got a ragged list ({exc})")
         if a.dtype == object:      # Python ints past int64
             vals = [int(v) for v in a.ravel() if isinstance(v, (int, np.integer))]
-        else:
-            vals = a.ravel().tolist() if a.dtype.kind in "iu" else []
+        else:                      # (floats: a list past int64's range, or float sizes, refused below)
+            vals = a.ravel().tolist() if a.dtype.kind in "iuf" else []
         bad = [v for v in vals if not -2**31 <= v < 2**31]
         if bad:
             _fail(op, "group_sizes", f"must hold int32 values (each in [-2**31, 2**31)), got {bad[0]}")
+        return jnp.asarray(a, jnp.int32) if a.dtype.kind in "iu" else jnp.asarray(group_sizes)
     if dt is not None and jnp.dtype(dt) != jnp.int32:
         _fail(op, "group_sizes", f"must have dtype int32, got {jnp.dtype(dt)} (convert with .astype(int32) "
               "after checking the sizes fit)", TypeError)
+    return jnp.asarray(group_sizes)
+
+
+def _python_scalar_as_f32(v):
+    """A Python float (or int) scale as float32, as with x64 off (x64 on would make it float64, refused)."""
+    return np.float32(v) if isinstance(v, (float, int)) and not isinstance(v, bool) else v
 
 
 def _check_out_dtype(op, out_dtype):
@@ -176,8 +188,8 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
     op = "w4a8_grouped_gemm"
     _check_impl(op, impl)
     out_dtype = _check_out_dtype(op, out_dtype)
-    _check_group_sizes_dtype(op, group_sizes)
-    x, x_scale, w, w_scale, group_sizes = map(jnp.asarray, (x, x_scale, w, w_scale, group_sizes))
+    group_sizes = _group_sizes_array(op, group_sizes)
+    x, x_scale, w, w_scale = map(jnp.asarray, (x, _python_scalar_as_f32(x_scale), w, w_scale))
     _check_dtype(op, "x", x, [jnp.float8_e4m3fn])
     if x.ndim != 2:
         _fail(op, "x", f"must be 2-D [M, K], got shape {x.shape}")
@@ -254,12 +266,13 @@ def pack_ue8m0(scale, *, arg: str = "scale", impl="auto"):
     _check_impl(op, impl)
     if not isinstance(arg, str) or not arg:
         _fail(op, "arg", f"must be a non-empty str (the scale's name in error messages), got {arg!r}", TypeError)
-    scale = jnp.asarray(scale)
+    with jax.ensure_compile_time_eval():  # NumPy input stays concrete under jit (checked eagerly below)
+        scale = jnp.asarray(scale)
     _check_dtype(op, arg, scale, [jnp.float32])
-    codes = quant.encode_ue8m0(scale)
-    if _is_concrete(scale):
-        _raise_if_inexact(quant.is_ue8m0_exact(scale), arg)
-        return codes
+    if _is_concrete(scale):  # also a constant captured by jit: checked and encoded now, not traced
+        with jax.ensure_compile_time_eval():
+            _raise_if_inexact(quant.is_ue8m0_exact(scale), arg)
+            return quant.encode_ue8m0(scale)
 
     def ffi_fn(s):
         return jax.ffi.ffi_call(TARGETS["ue8m0_pack"], jax.ShapeDtypeStruct(s.shape, jnp.uint8),
@@ -303,10 +316,11 @@ def _raise_if_nan_code(codes, op, arg):
 
 def _scale_operand(op, arg, s, ue8m0, impl):
     if s.dtype in _SCALE_CODE_DTYPES:
-        codes = s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
-        if _is_concrete(s):
-            _raise_if_nan_code(codes, op, arg)
-        return codes
+        if _is_concrete(s):  # also a constant captured by jit (a bitcast of it would be traced)
+            with jax.ensure_compile_time_eval():
+                _raise_if_nan_code(s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8),
+                                   op, arg)
+        return s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
     _check_dtype(op, arg, s, [jnp.float32, jnp.uint8, jnp.float8_e8m0fnu])
     return pack_ue8m0(s, arg=arg, impl=impl) if ue8m0 else s
 
@@ -355,7 +369,9 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     _check_impl(op, impl)
     ue8m0 = _check_flag(op, "ue8m0", ue8m0)
     out_dtype = _check_out_dtype(op, out_dtype)
-    x, x_scale, w, w_scale = map(jnp.asarray, (x, x_scale, w, w_scale))
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    with jax.ensure_compile_time_eval():  # NumPy scales stay concrete under jit: checked before tracing
+        x_scale, w_scale = jnp.asarray(x_scale), jnp.asarray(w_scale)
     _check_dtype(op, "x", x, [jnp.float8_e4m3fn])
     _check_dtype(op, "w", w, [jnp.float8_e4m3fn])
     if x.ndim != rank:
@@ -485,7 +501,9 @@ def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, impl="auto"):
       ue8m0: scales rounded up to powers of two (UE8M0) before quantizing, as the down projection's
         activations of DeepSeek-V3.1 / V4 checkpoints and :func:`w4a8_moe_up` use.
     Returns:
-      (float8_e4m3fn [..., I], float32 scales [..., I // 128]).
+      (float8_e4m3fn [..., I], float32 scales [..., I // 128]). A product past float32's range (finite gate and
+      up of about 2e19 each) saturates like an infinite input of :func:`quantize_fp8_groups`: code +-448 under
+      the largest scale, never NaN.
     Raises:
       TypeError / ValueError naming ``x`` for another dtype or a last axis that is not a positive multiple
       of 256.
@@ -565,24 +583,27 @@ def w4a8_moe_up(x, x_scale, w13, w13_scale, group_sizes, *, down_input_scale=Non
     """
     op = "w4a8_moe_up"
     _check_impl(op, impl)
-    _check_group_sizes_dtype(op, group_sizes)
+    group_sizes = _group_sizes_array(op, group_sizes)
+    x_scale = _python_scalar_as_f32(x_scale)
     ue8m0 = _check_flag(op, "ue8m0", ue8m0)
     w13 = jnp.asarray(w13)
     if w13.ndim != 3 or w13.shape[1] % 2 or w13.shape[1] == 0:
         _fail(op, "w13", f"must be [E, 2I, K/2] with gate rows then up rows, got shape {w13.shape}")
     static = down_input_scale is not None
     if static:
-        try:
-            down_input_scale = jnp.asarray(down_input_scale, jnp.float32)
-        except (TypeError, ValueError):
-            _fail(op, "down_input_scale", f"must be a float32 scalar, got {down_input_scale!r}", TypeError)
-        if down_input_scale.size != 1:
-            _fail(op, "down_input_scale", f"must be a scalar, got shape {down_input_scale.shape}")
-        down_input_scale = down_input_scale.reshape(())
-        if _is_concrete(down_input_scale):
-            v = float(down_input_scale)
-            if not (np.isfinite(v) and v > 0):
-                _fail(op, "down_input_scale", f"must be positive and finite (h / s is quantized), got {v}")
+        # a Python or NumPy scalar, or an array captured by jit, stays concrete (checked) inside jit too
+        with jax.ensure_compile_time_eval():
+            try:
+                down_input_scale = jnp.asarray(down_input_scale, jnp.float32)
+            except (TypeError, ValueError):
+                _fail(op, "down_input_scale", f"must be a float32 scalar, got {down_input_scale!r}", TypeError)
+            if down_input_scale.size != 1:
+                _fail(op, "down_input_scale", f"must be a scalar, got shape {down_input_scale.shape}")
+            down_input_scale = down_input_scale.reshape(())
+            if _is_concrete(down_input_scale):
+                v = float(down_input_scale)
+                if not (np.isfinite(v) and v > 0):
+                    _fail(op, "down_input_scale", f"must be positive and finite (h / s is quantized), got {v}")
     inter = w13.shape[1] // 2
     if not static and inter % 128:
         _fail(op, "w13", f"must have I (half its rows) a multiple of 128 for dynamic scales (one per 128 "

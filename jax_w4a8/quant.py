@@ -65,13 +65,15 @@ def pack_int4(q):
       TypeError: ``q`` is not an integer array.
       ValueError: K is odd, or (for concrete arrays) a value lies outside [-8, 7].
     """
-    q = jnp.asarray(q)
+    with jax.ensure_compile_time_eval():  # NumPy input stays concrete under jit: its range checked below
+        q = jnp.asarray(q)
     _require(jnp.issubdtype(q.dtype, jnp.integer), TypeError,
              f"pack_int4: q must be an integer array of int4 codes, got dtype {q.dtype}")
     _require(q.ndim >= 1 and q.shape[-1] % 2 == 0, ValueError,
              f"pack_int4: the last axis of q must have even length, got shape {q.shape}")
-    if _is_concrete(q) and q.size:
-        lo, hi = int(jnp.min(q)), int(jnp.max(q))
+    if _is_concrete(q) and q.size:  # also a constant captured by jit
+        with jax.ensure_compile_time_eval():
+            lo, hi = int(jnp.min(q)), int(jnp.max(q))
         _require(INT4_MIN <= lo and hi <= INT4_MAX, ValueError,
                  f"pack_int4: q holds values in [{lo}, {hi}], outside the int4 range [-8, 7]")
     q = q.astype(jnp.int32)
@@ -225,8 +227,11 @@ def _to_fp8(y):
 
 
 def _fp8_scale(amax, ue8m0: bool):
-    s = jnp.maximum(amax, AMAX_FLOOR) / FP8_MAX
-    return ceil_to_ue8m0(s) if ue8m0 else s
+    """``max(amax, 1e-4) / 448``, rounded up to a power of two when ``ue8m0`` (2**127 for an infinite amax);
+    float32 scales cap the amax at float32's largest value, so that an infinite one saturates (no Inf scale)."""
+    if ue8m0:
+        return ceil_to_ue8m0(jnp.maximum(amax, AMAX_FLOOR) / FP8_MAX)
+    return jnp.minimum(jnp.maximum(amax, AMAX_FLOOR), np.finfo(np.float32).max) / FP8_MAX
 
 
 def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
@@ -235,10 +240,10 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
     ``amax = max(|x| over the group, 1e-4)``, ``s = amax / 448`` (rounded up to a power of two first
     when ``ue8m0``), then ``x8 = e4m3(x / s)`` saturating. Non-finite inputs, as the CUDA and CPU kernels
     take them: a NaN element is left out of its group's amax (the kernels' max ignores NaN) and becomes a NaN
-    code (so the GEMM rows that read it come out NaN). An infinite element makes its group's amax infinite:
-    without ``ue8m0`` the scale is Inf, its own code NaN (Inf / Inf) and the group's others 0; with ``ue8m0`` the
-    scale is 2**127 (``ceil_to_ue8m0`` of Inf), its code saturates to +-448 and the others are 0, which is finite:
-    check activations upstream where that matters (``generate(check_finite=True)`` checks the logits).
+    code (so the GEMM rows that read it come out NaN). An infinite element saturates: its group's scale is the
+    largest there is (float32's largest value / 448 without ``ue8m0``, 2**127 with it), its code is +-448 and the
+    group's others are 0, which is finite: check activations upstream where that matters
+    (``generate(check_finite=True)`` checks the logits).
 
     Args:
       x: float [..., K]; K a multiple of ``group_size``.
@@ -252,7 +257,7 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
     a = jnp.abs(g)
     s = _fp8_scale(jnp.max(jnp.where(jnp.isnan(a), 0.0, a), axis=-1), ue8m0)  # NaN ignored, as fmaxf
     y = g / s[..., None]
-    # Inf / 2**127 is Inf (then +-448) in IEEE division; XLA's CPU division multiplies by a flushed reciprocal
+    # Inf / a finite scale is Inf (then +-448) in IEEE division; XLA's CPU division uses a flushed reciprocal
     y = jnp.where(jnp.isinf(g) & jnp.isfinite(s)[..., None], g, y)
     return _to_fp8(y).reshape(x.shape), s
 

@@ -440,3 +440,31 @@ def test_nan_code_under_jit_is_rejected_on_the_reference_path(rng, arg):
     bad[arg].reshape(-1)[-1] = 0xFF
     with pytest.raises(Exception, match=f"argument '{arg}' holds UE8M0 code 0xFF"):
         jax.block_until_ready(f(x8[:, 0], bad["x_scale"], w8[0], bad["w_scale"]))
+
+
+def test_constant_scales_captured_by_jit(rng):
+    """Scales closed over by a jitted function (NumPy arrays, or JAX arrays captured as constants) are checked and
+    encoded at trace time as eagerly: valid ones give the eager result (a bitcast or encoding of them once failed
+    with TracerArrayConversionError), a 0xFF code or an inexact UE8M0 scale the eager ValueError."""
+    x8, sx, w8, sw = make_operands(rng, 2, 1, 8, 128, ue8m0=True)
+    x, xs, w = x8[:, 0], sx[:, 0], w8[0]
+    want = np.asarray(ops.fp8_einsum("md,nd->mn", x, xs, w, sw[0], ue8m0=True).astype(jnp.float32))
+    codes = np.asarray(quant.encode_ue8m0(sw[0]))
+    as_e8m0 = jax.lax.bitcast_convert_type(jnp.asarray(codes), jnp.float8_e8m0fnu)
+    for ws, kw in ((np.asarray(sw[0]), dict(ue8m0=True)), (jnp.asarray(sw[0]), dict(ue8m0=True)), (codes, {}),
+                   (as_e8m0, {})):
+        got = jax.jit(lambda v, ws=ws, kw=kw: ops.fp8_einsum("md,nd->mn", x, v, w, ws, **kw))(xs)
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda ws=ws: ops.pack_ue8m0(
+            jnp.asarray(sw[0])))()), codes)
+    bad = codes.copy()
+    bad[0, 0] = 0xFF
+    with pytest.raises(ValueError, match="'w_scale' holds UE8M0 code 0xFF"):
+        jax.jit(lambda v: ops.fp8_einsum("md,nd->mn", x, v, w, bad))(xs)
+    inexact = np.asarray(sw[0]).copy()
+    inexact[0, 0] *= 0.75
+    with pytest.raises(ValueError, match="'w_scale'"):
+        jax.jit(lambda v: ops.fp8_einsum("md,nd->mn", x, v, w, inexact, ue8m0=True))(xs)
+    with pytest.raises(ValueError, match="'scale'"):
+        jax.jit(lambda: ops.pack_ue8m0(inexact))()
+

@@ -131,10 +131,38 @@ def test_non_finite_inputs_match_the_reference(rng, ue8m0):
         # the reference's float32 division may be 1 ulp off the kernels' correctly rounded amax / 448 (codes equal)
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=0 if ue8m0 else 1.2e-7)
         assert (codes[0][3, 384:] == 0x7F).all() and (codes[0][0, 3] == 0x7F)
-        # Inf: NaN code under an Inf scale; saturated to +-448 under UE8M0's largest scale, 2**127 (quant docstring)
-        assert codes[0][1, 200] == (0x7E if ue8m0 else 0x7F) and codes[0][2, 260] == (0xFE if ue8m0 else 0x7F)
+        # Inf: saturated to +-448 under the largest scale (float32's largest / 448; UE8M0's 2**127), never NaN
+        assert codes[0][1, 200] == 0x7E and codes[0][2, 260] == 0xFE
     assert np.isfinite(np.asarray(got[1])[3, 3])
-    assert np.asarray(got[1])[1, 1] == (np.float32(2.0**127) if ue8m0 else np.inf)
+    flt_max = np.finfo(np.float32).max
+    assert np.asarray(got[1])[1, 1] == (np.float32(2.0**127) if ue8m0 else np.float32(flt_max) / np.float32(448))
+
+
+@pytest.mark.parametrize("ue8m0", [False, True])
+def test_silu_mul_product_past_float32_saturates(rng, device, ue8m0):
+    """Finite gate and up whose product passes float32's range (about 2e19 each in bfloat16) make h Inf: its
+    group's scale is the largest there is and its code +-448, never NaN (an Inf scale made Inf / Inf a NaN code
+    and 0 * Inf NaN in every dequantized value of the group), on the kernels and the reference alike."""
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    x[1, 5], x[1, 256 + 5] = 3e19, 2e19       # gate and up of channel 5 in row 1: h = 6e38 > float32's max
+    x[2, 130], x[2, 256 + 130] = 3e19, -2e19  # -6e38: -448
+    x = jnp.asarray(x, jnp.bfloat16)
+    f = functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=ue8m0, impl="ffi")
+    q, s = run_poisoned(f, ((4, 256), (4, 2)), (jnp.float8_e4m3fn, jnp.float32), (x,), device)
+    codes = np.asarray(q).view(np.uint8)
+    assert not ((codes & 0x7F) == 0x7F).any() and np.isfinite(s).all()
+    assert codes[1, 5] == 0x7E and codes[2, 130] == 0xFE
+    top = np.float32(2.0**127) if ue8m0 else np.float32(np.finfo(np.float32).max) / np.float32(448)
+    assert s[1, 0] == top and s[2, 1] == top
+    # the other codes of those groups are 0 or -0 (tiny against the scale); the untouched groups are ordinary
+    assert (codes[1, :128][np.arange(128) != 5] & 0x7F == 0).all()
+    assert (codes[2, 128:][np.arange(128) != 2] & 0x7F == 0).all()
+    assert s[0, 0] < 1 and s[3, 1] < 1
+    q_ref, s_ref = ops.silu_mul_quantize_fp8_groups(x, ue8m0=ue8m0, impl="reference")
+    s_ref, c_ref = np.asarray(s_ref), np.asarray(q_ref).view(np.uint8)
+    assert s_ref[1, 0] == top and s_ref[2, 1] == top  # (ordinary groups: the reference's division 1 ulp off)
+    np.testing.assert_array_equal(c_ref[1, :128], codes[1, :128])
+    np.testing.assert_array_equal(c_ref[2, 128:], codes[2, 128:])
 
 
 def test_option_types(rng):

@@ -1,6 +1,9 @@
 """ops.w4a8_grouped_gemm (SPEC 4.1): FFI handlers (CPU, CUDA) and the reference vs float64 numpy."""
 
 import functools
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -208,6 +211,8 @@ def test_python_int_group_sizes_past_int32_are_refused(rng):
             ops.w4a8_grouped_gemm(**{**a, "group_sizes": bad})
     with pytest.raises(ValueError, match="argument 'group_sizes' must be a 1-D int32 array"):
         ops.w4a8_grouped_gemm(**{**a, "group_sizes": [[8], [4, 4]]})
+    with pytest.raises(ValueError, match="argument 'group_sizes' must hold int32 values"):
+        ops.w4a8_grouped_gemm(**{**a, "group_sizes": [2**63, 1]})  # NumPy makes this list float64
     out = ops.w4a8_grouped_gemm(**{**a, "group_sizes": [2**31 - 1, -2**31]})  # in range: clamped to M
     check((*tuple(a.values())[:4], jnp.asarray([2**31 - 1, -2**31], jnp.int32)), np.asarray(out.astype(jnp.float32)),
           jnp.bfloat16)
@@ -783,3 +788,38 @@ def test_cutlass_option_is_checked(rng):
         ops.w4a8_grouped_gemm(**a, kernel="cutlass", out_dtype=jnp.float32)
     with pytest.raises(ValueError, match="'tile_tokens'"):
         ops.w4a8_grouped_gemm(**a, kernel="cutlass", tile_tokens=128)
+
+
+def test_group_sizes_as_a_list_of_traced_scalars(rng):
+    """A list of traced sizes (jit arguments) is stacked as jnp.asarray would (the range check of lists once
+    converted them with NumPy and failed with TracerArrayConversionError)."""
+    a = _good(rng)
+    f = jax.jit(lambda s0, s1: ops.w4a8_grouped_gemm(**{**a, "group_sizes": [s0, s1]}))
+    out = f(jnp.int32(8), jnp.int32(8))
+    want = ops.w4a8_grouped_gemm(**{**a, "group_sizes": jnp.asarray([8, 8], jnp.int32)})
+    np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)), np.asarray(want.astype(jnp.float32)))
+
+
+def test_python_lists_and_floats_with_x64():
+    """With jax_enable_x64 a Python list of sizes and a Python float scale (documented as accepted) would become
+    int64 / float64 and be refused; they are converted to int32 / float32 as with x64 off (a subprocess: x64 is
+    process-wide)."""
+    code = """
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_enable_x64", True)
+from jax_w4a8 import ops, quant
+rng = np.random.default_rng(0)
+x8, _ = quant.quantize_fp8_groups(rng.standard_normal((16, 128)).astype(np.float32))
+w, ws = quant.quantize_w4(rng.standard_normal((2, 8, 128)).astype(np.float32))
+out = ops.w4a8_grouped_gemm(x8, 0.5, w, ws, [8, 8])
+want = ops.w4a8_grouped_gemm(x8, jnp.float32(0.5), w, ws, jnp.asarray([8, 8], jnp.int32))
+assert out.dtype == jnp.bfloat16 and (np.asarray(out, np.float32) == np.asarray(want, np.float32)).all()
+w13, s13 = quant.quantize_w4(rng.standard_normal((2, 256, 128)).astype(np.float32))
+h8, s = ops.w4a8_moe_up(x8, 0.5, w13, s13, [8, 8])
+assert h8.shape == (16, 128) and s.dtype == jnp.float32
+print("ok")
+"""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+

@@ -208,6 +208,10 @@ def test_bad_inputs(rng):
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="argument 'down_input_scale' must be positive and finite"):
             ops.w4a8_moe_up(*args, down_input_scale=bad)
+        # a constant inside jit too (Python or NumPy scalar, captured array): once NaN or saturated codes
+        for const in (bad, np.float32(bad), jnp.float32(bad)):
+            with pytest.raises(ValueError, match="argument 'down_input_scale' must be positive and finite"):
+                jax.jit(lambda c=const: ops.w4a8_moe_up(*args, down_input_scale=c))()
     with pytest.raises(TypeError, match="argument 'down_input_scale' must be a float32 scalar"):
         ops.w4a8_moe_up(*args, down_input_scale="a")
     # errors of the grouped GEMM inside name this op's arguments
@@ -280,3 +284,33 @@ def test_reference_path_takes_what_the_other_paths_take(rng):
         kw, s = scale_args(kind, args)
         h8, scale = ops.w4a8_moe_up(x8, x_scale, w13, s13, sizes, impl="reference", **kw)
         check(h8, scale, args, s, ue8m0=kw["ue8m0"])
+
+
+@pytest.mark.parametrize("plan", [{}, dict(tile_tokens=8, mma="f16"), dict(tile_tokens=32, mma="e4m3"),
+                                  dict(fused=False)])
+@pytest.mark.parametrize("ue8m0", [True, False])
+def test_h_past_float32_saturates(rng, device, plan, ue8m0):
+    """Gate and up past 1e30 (weight scales 2**100 on expert 0) make silu(gate) * up Inf in float32: the token's
+    scale is the largest there is (UE8M0 2**127, float32's largest / 448) and the code +-448, never NaN (an Inf
+    scale made Inf / Inf a NaN code and every other value of the group 0 * Inf = NaN in the down projection),
+    in the fused kernel's epilogue and in the composed ops alike. The other expert's rows are untouched."""
+    if plan.get("tile_tokens") and device.platform != "gpu":
+        pytest.skip("the fused kernel's tiles are CUDA only")
+    m, k, inter = 40, 256, 128
+    args = make_case(rng, m, k, 2 * inter, [20, 15])  # 5 padding rows
+    huge = (args[0], args[1], args[2], args[3].at[0].multiply(2.0**100), args[4])
+    fn = functools.partial(ops.w4a8_moe_up, ue8m0=ue8m0, **plan)
+    h8, scale = run_up(fn, huge, device, False)
+    b8, bscale = run_up(fn, args, device, False)
+    codes = np.asarray(h8).view(np.uint8)
+    assert not ((codes & 0x7F) == 0x7F).any() and np.isfinite(scale).all()
+    y = np_ref.grouped_gemm(*huge)[:20]
+    g, u = y[:, :inter], y[:, inter:]
+    inf = (g > 0) & (np.abs(g * u) > 2.0 * float(np.finfo(np.float32).max))  # Inf in float32, with a margin
+    assert inf.sum() > 100
+    assert (codes[:20][inf] == np.where(u[inf] > 0, 0x7E, 0xFE)).all()
+    top = np.float32(2.0**127) if ue8m0 else np.float32(np.finfo(np.float32).max) / np.float32(448)
+    assert (scale[:20] == top).all()
+    np.testing.assert_array_equal(codes[20:], np.asarray(b8).view(np.uint8)[20:])  # the other expert, padding
+    np.testing.assert_array_equal(scale[20:], bscale[20:])
+    assert (codes[35:] == 0).all()

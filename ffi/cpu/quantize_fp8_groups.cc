@@ -1,6 +1,7 @@
 // CPU handler of ops.quantize_fp8_groups: per-token, per-128-channel fp8 quantization (SPEC 3); with silu_mul
 // (ops.silu_mul_quantize_fp8_groups) of silu(gate) * up in float32, x being [R, 2K] gate then up.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -32,8 +33,10 @@ ffi::Error QuantizeFp8GroupsCpu(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
     const int64_t base = g * kGroup;
     float amax = 0.0f;
     for (int64_t j = 0; j < kGroup; ++j) amax = std::max(amax, std::fabs(value(base + j)));
-    float scale = std::max(amax, 1e-4f) / 448.0f;
-    if (ue8m0) scale = CeilToUe8m0(scale);  // rounded up to a power of two first, then quantize with it
+    // rounded up to a power of two first, then quantize with it; float32 scales cap the amax at FLT_MAX (an
+    // Inf, or a silu * up product past float32's range, saturates to +-448 instead of Inf / Inf = NaN)
+    const float scale = ue8m0 ? CeilToUe8m0(std::max(amax, 1e-4f) / 448.0f)
+                              : std::min(std::max(amax, 1e-4f), FLT_MAX) / 448.0f;
     scales[g] = scale;
     for (int64_t j = 0; j < kGroup; ++j) codes[base + j] = FloatToE4m3Sat(value(base + j) / scale);
   }

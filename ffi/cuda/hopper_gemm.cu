@@ -52,6 +52,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 #include <cstdlib>
 #include <mutex>
@@ -552,7 +553,7 @@ __device__ void FusedUpEpilogue(const HopperGemmParams& p, const Unit& t, const 
         s = Ue8m0ScaleForE4m3(fmaxf(m, 1e-4f));  // CeilToUe8m0(max / 448), exact, no division
         tok_inv[ct] = Ue8m0Reciprocal(s);
       } else {
-        s = __fdiv_rn(fmaxf(m, 1e-4f), 448.0f);
+        s = __fdiv_rn(fminf(fmaxf(m, 1e-4f), FLT_MAX), 448.0f);  // capped: an Inf h saturates, never NaN
         tok_inv[ct] = s;
       }
       const int64_t tok = t.m0 + ct;

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
 
 #include "../common/checks.h"
@@ -124,8 +125,10 @@ __global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>()))
       for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
 #pragma unroll
       for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(team_mask, amax, off));
-      float scale = __fdiv_rn(fmaxf(amax, 1e-4f), 448.0f);
-      if (ue8m0) scale = CeilToUe8m0(scale);
+      // An Inf (or a silu * up product past float32's range) caps the amax at FLT_MAX: its code saturates to
+      // +-448 instead of Inf / Inf = NaN (UE8M0: CeilToUe8m0 of Inf is 2**127, the same saturation).
+      float scale = ue8m0 ? CeilToUe8m0(__fdiv_rn(fmaxf(amax, 1e-4f), 448.0f))
+                          : __fdiv_rn(fminf(fmaxf(amax, 1e-4f), FLT_MAX), 448.0f);
       if (g < groups) {
         __stcs(reinterpret_cast<uint2*>(codes + g * 128 + sub * 8), EncodeEight(v, scale, ue8m0));
         if (sub == 0) scales[g] = scale;
