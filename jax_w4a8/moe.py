@@ -23,6 +23,7 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["Routing", "sort_by_expert", "permute", "combine", "moe_apply"]
 
@@ -73,7 +74,7 @@ def _check_ids(topk_ids, num_experts):
         raise TypeError(f"moe: argument 'topk_ids' must be an integer array, got dtype {topk_ids.dtype}")
     if topk_ids.ndim != 2:
         raise ValueError(f"moe: argument 'topk_ids' must be 2-D [N, K], got shape {topk_ids.shape}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+    if isinstance(num_experts, (bool, np.bool_)) or not isinstance(num_experts, (int, np.integer)) or num_experts < 1:
         raise ValueError(f"moe: argument 'num_experts' must be an int >= 1, got {num_experts!r}")
     return topk_ids
 
@@ -110,8 +111,9 @@ def combine(y_sorted, inverse, topk_weights, out_dtype=jnp.float32, *, valid=Non
     Returns:
       out_dtype [N, D].
     """
-    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
-        raise ValueError(f"moe: argument 'out_dtype' must be bfloat16 or float32, got {jnp.dtype(out_dtype)}")
+    if out_dtype is None or jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)):
+        shown = out_dtype if out_dtype is None else jnp.dtype(out_dtype)
+        raise ValueError(f"moe: argument 'out_dtype' must be bfloat16 or float32, got {shown}")
     n, k = topk_weights.shape
     y = jnp.take(y_sorted, inverse, axis=0).reshape(n, k, y_sorted.shape[-1]).astype(jnp.float32)
     if valid is not None:

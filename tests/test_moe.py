@@ -154,9 +154,11 @@ def test_bad_arguments_name_themselves(rng):
         moe.sort_by_expert(ids.astype(jnp.float32), 6)
     with pytest.raises(ValueError, match="'topk_ids'"):
         moe.sort_by_expert(ids.reshape(-1), 6)
-    for bad in (0, -2, 2.0, True):
+    for bad in (0, -2, 2.0, True, np.bool_(True), np.int64(0)):
         with pytest.raises(ValueError, match="'num_experts'"):
             moe.sort_by_expert(ids, bad)
+    np.testing.assert_array_equal(moe.sort_by_expert(ids, np.int64(6)).group_sizes,  # a NumPy int is an int
+                                  moe.sort_by_expert(ids, 6).group_sizes)
     with pytest.raises(ValueError, match="'topk_weights'"):
         moe.moe_apply(x, ids, jnp.ones((4, 3)), fn, 6)
     with pytest.raises(ValueError, match="'x'"):
@@ -165,4 +167,6 @@ def test_bad_arguments_name_themselves(rng):
         moe.moe_apply((jnp.ones((4, 8)), jnp.ones((3, 1))), ids, w, lambda xs, g: xs[0], 6)
     with pytest.raises(ValueError, match="'out_dtype'"):
         moe.moe_apply(x, ids, w, fn, 6, out_dtype=jnp.float16)
+    with pytest.raises(ValueError, match="'out_dtype' must be bfloat16 or float32, got None"):  # not "float64"
+        moe.moe_apply(x, ids, w, fn, 6, out_dtype=None)
     assert moe.moe_apply(x, ids, w, fn, 6, out_dtype=jnp.bfloat16).dtype == jnp.bfloat16
