@@ -111,7 +111,7 @@ def test_golden_fp32(name, device):
     t0 = exp["input_ids"].shape[1]
     with jax.default_device(device):
         model = load_checkpoint(path, dtype=jnp.float32, progress=False)
-        full, hidden = jit_forward(model)(jnp.asarray(exp["full_input_ids"]), None, True)
+        full, hidden = jit_forward(model)(jnp.asarray(exp["full_input_ids"]), return_hidden_states=True)
         # a causal model: the prompt's logits are the first T positions of the full sequence
         ids = jnp.asarray(exp["input_ids"])
         probes = _attention_and_routing(*nnx.split(model), [h[:, :t0] for h in hidden],
@@ -192,7 +192,7 @@ def test_check_greedy_accepts_only_near_ties():
 
 def test_positions_reach_rope():
     """RoPE scores depend on position differences only: shifting every position leaves the logits unchanged,
-    stretching them does not (so explicit positions really drive the rotation and the causal mask)."""
+    stretching them does not (so explicit positions really drive the rotation)."""
     path, exp = golden("yarn_qlora")
     model = load_checkpoint(path, dtype=jnp.float32, progress=False)
     ids = jnp.asarray(exp["input_ids"])
@@ -204,6 +204,46 @@ def test_positions_reach_rope():
     np.testing.assert_allclose(shifted, base, rtol=0, atol=1e-4 * np.abs(base).max())
     stretched = f32(fwd(ids, pos * 2))
     assert np.abs(stretched - base).max() > 1e-2 * np.abs(base).max()
+
+
+def test_left_padded_rows_with_attention_mask_match_the_unpadded_sequence():
+    """As transformers: a row left-padded with ``attention_mask`` 0 and positions counting real tokens gives its
+    real tokens the logits of the unpadded sequence (the pads are never attended), whatever the pad ids; the
+    mask once came from the positions, so real tokens attended pads at positions 0 and 1 (relative error 0.4-0.7
+    against transformers' left-padded forward)."""
+    path, exp = golden("yarn_qlora")
+    model = load_checkpoint(path, dtype=jnp.float32, progress=False)
+    fwd = jit_forward(model)
+    ids = np.asarray(exp["input_ids"])[:1]
+    t, pad = ids.shape[1], 3
+    want = f32(fwd(jnp.asarray(ids)))[0]
+    got = []
+    for pad_id in (0, 7):
+        padded = np.concatenate([np.full((1, pad), pad_id, ids.dtype), ids], axis=1)
+        mask = np.concatenate([np.zeros((1, pad), np.int32), np.ones((1, t), np.int32)], axis=1)
+        positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)  # transformers' position_ids
+        got.append(f32(fwd(jnp.asarray(padded), jnp.asarray(positions), jnp.asarray(mask)))[0, pad:])
+        assert np.isfinite(got[-1]).all()
+    for g in got:
+        np.testing.assert_allclose(g, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    with pytest.raises(ValueError, match="attention_mask must have input_ids' shape"):
+        fwd(jnp.asarray(ids), None, jnp.ones((1, t + 1), jnp.int32))
+
+
+def test_packed_sequences_never_attend_later_tokens():
+    """Two sequences packed in one row, positions restarting at 0: the first sequence's logits are those of it
+    alone (the mask is causal in token order; it once came from the positions, and a token attended the later
+    tokens of the second sequence at the same or a smaller position)."""
+    path, exp = golden("yarn_qlora")
+    model = load_checkpoint(path, dtype=jnp.float32, progress=False)
+    fwd = jit_forward(model)
+    ids = np.asarray(exp["input_ids"])
+    first, second = ids[:1], ids[1:] if ids.shape[0] > 1 else ids[:1, ::-1]
+    packed = np.concatenate([first, second], axis=1)
+    positions = np.concatenate([np.arange(first.shape[1]), np.arange(second.shape[1])])[None].astype(np.int32)
+    want = f32(fwd(jnp.asarray(first)))[0]
+    got = f32(fwd(jnp.asarray(packed), jnp.asarray(positions)))[0, :first.shape[1]]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
 def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch):
@@ -229,8 +269,8 @@ def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch
     assert seen == [("auto", True)] * layers_n                       # the default
     seen.clear()
     assert model.set_attention("eager") is model
-    jit_forward(model)(ids, default_positions(ids) + 3)
-    assert seen == [("eager", False)] * layers_n
+    jit_forward(model)(ids, default_positions(ids) + 3)   # causal in token order whatever the positions
+    assert seen == [("eager", True)] * layers_n
     seen.clear()
     generate(model, [[1, 2, 3], [4]], 3)
     assert seen == [("eager", True)] * layers_n                     # prefill only: the decode steps are latent
@@ -244,7 +284,7 @@ def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch
 def _forward_targets(model, ids):
     """The jax_w4a8 custom calls of the model's jitted forward, as lowered for the default device."""
     graphdef, state = nnx.split(model)
-    return custom_calls(forward.lower(graphdef, state, ids, None, False).as_text())
+    return custom_calls(forward.lower(graphdef, state, ids).as_text())
 
 
 def test_set_moe_up_reaches_every_moe_layer_and_refuses_experts_that_cannot_fuse(rng, device):
@@ -337,7 +377,7 @@ def test_bf16_forward_jaxpr_dtypes(quant):
     model = DeepseekV3ForCausalLM(cfg, quant=quant, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     graphdef, state = nnx.split(model)
     b, t, d = 2, 5, cfg.hidden_size
-    closed = jax.make_jaxpr(forward, static_argnums=(0, 4))(graphdef, state, jnp.zeros((b, t), jnp.int32), None, False)
+    closed = jax.make_jaxpr(forward, static_argnums=0)(graphdef, state, jnp.zeros((b, t), jnp.int32))
     seen = {"vars": 0, "ffi": []}
     layers_eqns = []
 

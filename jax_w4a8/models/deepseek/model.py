@@ -13,7 +13,8 @@ of the same structure, (2) makes the residual stream between layers visible in t
 and outputs of ``pjit[name=decoder_layer]`` equations (the dtype test walks them), and (3) is the
 seam where a later pipeline / expert-parallel wrapper can go.
 
-Positions and a latent cache: ``__call__(input_ids, positions=None)`` takes explicit positions, and
+Positions and a latent cache: ``__call__(input_ids, positions=None, attention_mask=None)`` takes explicit
+positions (they rotate; the mask is causal in token order, over real keys), and
 attention is split into ``MLA.latents`` / ``MLA.attend`` (see ``layers.MLA``), so a generate loop can
 store ``(c_kv, k_pe)`` per layer ([B, T_max, kv_lora_rank + qk_rope_head_dim]) and attend over it
 without changing the layers.
@@ -47,16 +48,26 @@ def default_positions(input_ids):
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
-def causal_mask(q_positions, k_positions):
-    """bool [B, T, S]: query t may attend key s iff ``k_positions[s] <= q_positions[t]``."""
-    return k_positions[:, None, :] <= q_positions[:, :, None]
+def causal_mask(input_ids, attention_mask=None):
+    """bool [B, T, T]: query t may attend key s iff ``s <= t`` (token order, as transformers: not the positions,
+    which only rotate) and key s is a real token (``attention_mask[b, s]``, when given). A padding query whose
+    mask allows no key gets a zero attention output (:func:`layers.mla_attention`)."""
+    b, t = input_ids.shape
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+    return mask if attention_mask is None else mask & attention_mask.astype(bool)[:, None, :]
+
+
+def _check_like_ids(name: str, value, input_ids):
+    if value is not None and tuple(value.shape) != tuple(input_ids.shape):
+        raise ValueError(f"DeepseekV3ForCausalLM: {name} must have input_ids' shape {tuple(input_ids.shape)} "
+                         f"[B, T], got {tuple(value.shape)}")
 
 
 class DeepseekV3Model(nnx.Module):
-    """Embedding, decoder layers, final norm. ``__call__(input_ids [B, T], positions=None)`` returns
-    ``(h [B, T, D] after the final norm, hidden_states)`` where ``hidden_states`` is ``None`` or, with
+    """Embedding, decoder layers, final norm. ``__call__(input_ids [B, T], positions=None, attention_mask=None)``
+    returns ``(h [B, T, D] after the final norm, hidden_states)`` where ``hidden_states`` is ``None`` or, with
     ``return_hidden_states``, ``[embeds, out_0, ..., out_{L-1}]`` (residual stream before the final norm,
-    like the golden fixtures' ``layer_out``)."""
+    like the golden fixtures' ``layer_out``). Attention is causal in token order (:func:`causal_mask`)."""
 
     def __init__(self, cfg: DeepseekConfig, *, quant: QuantConfig = QuantConfig(), dtype=jnp.bfloat16,
                  rngs: nnx.Rngs):
@@ -66,18 +77,20 @@ class DeepseekV3Model(nnx.Module):
                                 for i in range(cfg.num_hidden_layers)])
         self.norm = layers.RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype)
 
-    def __call__(self, input_ids, positions=None, *, return_hidden_states: bool = False):
-        causal = positions is None           # default positions: the mask is exactly causal
+    def __call__(self, input_ids, positions=None, attention_mask=None, *, return_hidden_states: bool = False):
+        _check_like_ids("positions", positions, input_ids)
+        _check_like_ids("attention_mask", attention_mask, input_ids)
         if positions is None:
             positions = default_positions(input_ids)
         positions = positions.astype(jnp.int32)
         h = self.embed_tokens(input_ids)
         cos, sin = layers.rope_cos_sin(positions, self.cfg, self.dtype)
-        mask = causal_mask(positions, positions)
+        mask = causal_mask(input_ids, attention_mask)
         hidden = [h] if return_hidden_states else None
         for layer in self.layers:
             graphdef, state = nnx.split(layer)
-            h = decoder_layer(graphdef, state, h, cos, sin, mask, causal=causal)
+            # the mask never allows a key after its query: a fused attention may skip the blocks above the diagonal
+            h = decoder_layer(graphdef, state, h, cos, sin, mask, causal=True)
             if hidden is not None:
                 hidden.append(h)
         return self.norm(h), hidden
@@ -91,8 +104,12 @@ class DeepseekV3ForCausalLM(nnx.Module):
       cfg: architecture. quant: weight formats (:class:`QuantConfig`). dtype: activation and unquantized
         weight dtype (bfloat16, or float32 for golden comparisons). rngs: random init.
     Call:
-      ``model(input_ids int [B, T], positions int [B, T] | None = None) -> logits dtype [B, T, V]``;
-      with ``return_hidden_states=True``: ``(logits, [embeds, out_0, ..., out_{L-1}])``.
+      ``model(input_ids int [B, T], positions int [B, T] | None = None, attention_mask [B, T] | None = None)
+      -> logits dtype [B, T, V]``; with ``return_hidden_states=True``: ``(logits, [embeds, out_0, ...,
+      out_{L-1}])``. As transformers: ``positions`` (default ``0 .. T - 1``) only rotate queries and keys;
+      attention is causal in token order, over the keys ``attention_mask`` marks real (1 / True; 0 / False for
+      padding). A left-padded batch therefore takes ``attention_mask`` and positions counting real tokens;
+      padding rows' logits are meaningless. :func:`jax_w4a8.models.deepseek.generate` does this itself.
     """
 
     def __init__(self, cfg: DeepseekConfig, *, quant: QuantConfig = QuantConfig(), dtype=jnp.bfloat16,
@@ -145,28 +162,30 @@ class DeepseekV3ForCausalLM(nnx.Module):
                 e.moe_up = implementation
         return self
 
-    def __call__(self, input_ids, positions=None, *, return_hidden_states: bool = False):
-        h, hidden = self.model(input_ids, positions, return_hidden_states=return_hidden_states)
+    def __call__(self, input_ids, positions=None, attention_mask=None, *, return_hidden_states: bool = False):
+        h, hidden = self.model(input_ids, positions, attention_mask, return_hidden_states=return_hidden_states)
         logits = self.model.embed_tokens.attend(h) if self.lm_head is None else self.lm_head(h)
         return (logits, hidden) if return_hidden_states else logits
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def forward(graphdef, state, input_ids, positions=None, return_hidden_states: bool = False):
-    """Pure, jitted forward of a split model: ``nnx.merge(graphdef, state)(input_ids, positions)``."""
-    return nnx.merge(graphdef, state)(input_ids, positions, return_hidden_states=return_hidden_states)
+@functools.partial(jax.jit, static_argnums=(0, 5))
+def forward(graphdef, state, input_ids, positions=None, attention_mask=None, return_hidden_states: bool = False):
+    """Pure, jitted forward of a split model: ``nnx.merge(graphdef, state)(input_ids, positions,
+    attention_mask)``."""
+    return nnx.merge(graphdef, state)(input_ids, positions, attention_mask, return_hidden_states=return_hidden_states)
 
 
 def jit_forward(model: DeepseekV3ForCausalLM):
     """Splits ``model`` once and returns ``fn(input_ids, positions=None, return_hidden_states=False)``
     running :func:`forward` (weights are jit arguments, not constants).
 
-    ``input_ids``: int32 [B, T]; ``positions``: optional int32 [B, T] (default ``0 .. T - 1``, an exactly causal
-    mask); returns the logits [B, T, vocab] in the model's dtype, and with ``return_hidden_states`` also the
-    hidden states after the embedding and every layer, each [B, T, hidden]."""
+    ``input_ids``: int32 [B, T]; ``positions``: optional int32 [B, T] (default ``0 .. T - 1``; they rotate, the
+    mask is causal in token order); ``attention_mask``: optional [B, T], 1 / True for real tokens (keys of 0 are
+    not attended); returns the logits [B, T, vocab] in the model's dtype, and with ``return_hidden_states`` also
+    the hidden states after the embedding and every layer, each [B, T, hidden]."""
     graphdef, state = nnx.split(model)
 
-    def fn(input_ids, positions=None, return_hidden_states: bool = False):
-        return forward(graphdef, state, input_ids, positions, return_hidden_states)
+    def fn(input_ids, positions=None, attention_mask=None, return_hidden_states: bool = False):
+        return forward(graphdef, state, input_ids, positions, attention_mask, return_hidden_states)
 
     return fn
