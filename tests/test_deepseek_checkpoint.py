@@ -2,6 +2,7 @@
 
 import json
 import os
+import warnings
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -111,6 +112,10 @@ def test_fp8_checkpoint(tmp_path, fp32_ckpt):
                                           "weight_block_size": [128, 128]})
     model = load_checkpoint(fp8, progress=False)
     assert model.quant == QuantConfig.fp8()
+    other = str(tmp_path / "fp8_64")  # another block size: refused by name (it once failed on a scale's shape)
+    write_checkpoint(other, CK, ckpt, quantization_config={"quant_method": "fp8", "weight_block_size": [64, 64]})
+    with pytest.raises(CheckpointError, match=r"weight_block_size is \[64, 64\]: only FP8 blocks of \[128, 128\]"):
+        load_checkpoint(other, progress=False)
     lin = model.model.layers[0].self_attn.qkv_a_proj    # q_a (128 rows), then kv_a (N = 192: an edge block row)
     a = "model.layers.0.self_attn."
     for part in ("q_a_proj", "kv_a_proj_with_mqa"):     # each part bit-exact, weights and scales, in row order
@@ -428,11 +433,14 @@ def test_tied_embeddings(tmp_path, rng):
     cfg = DeepseekConfig.from_dict(cfg_dict)
     w = random_weights(cfg, rng)
     path = str(tmp_path / "tied")
-    write_checkpoint(path, cfg_dict, w)                              # lm_head.weight present but unused
-    model = load_checkpoint(path, dtype=jnp.float32, progress=False)
+    w["lm_head.weight"] = w["model.embed_tokens.weight"].copy()     # present and equal: the tied embedding
+    write_checkpoint(path, cfg_dict, w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model = load_checkpoint(path, dtype=jnp.float32, progress=False)
     assert model.lm_head is None
     ids = np.arange(6).reshape(1, 6)
-    out, hidden = jit_forward(model)(jnp.asarray(ids), None, True)
+    out, hidden = jit_forward(model)(jnp.asarray(ids), return_hidden_states=True)
     h = np.asarray(model.model.norm(hidden[-1]), np.float64)
     np.testing.assert_allclose(np.asarray(out), h @ w["model.embed_tokens.weight"].T.astype(np.float64),
                                rtol=1e-5, atol=1e-4)
@@ -440,3 +448,41 @@ def test_tied_embeddings(tmp_path, rng):
     save_checkpoint(model, out_dir)
     assert "lm_head.weight" not in _header_keys(os.path.join(out_dir, "model.safetensors"))
     assert_same_state(model, load_checkpoint(out_dir, dtype=jnp.float32, progress=False))
+
+
+def test_tied_config_with_a_different_lm_head_loads_it_untied(tmp_path, rng):
+    """tie_word_embeddings with a checkpoint lm_head.weight unlike the embedding: transformers warns that it will
+    not tie them and uses the checkpoint's head; so does the loader (it once dropped the head silently and tied:
+    every logit wrong)."""
+    cfg_dict = dict(CK, tie_word_embeddings=True)
+    cfg = DeepseekConfig.from_dict(cfg_dict)
+    w = random_weights(cfg, rng)
+    path = str(tmp_path / "untied")
+    write_checkpoint(path, cfg_dict, w)
+    with pytest.warns(UserWarning, match="lm_head.weight differs from model.embed_tokens.weight"):
+        model = load_checkpoint(path, dtype=jnp.float32, progress=False)
+    assert model.lm_head is not None and not model.cfg.tie_word_embeddings
+    np.testing.assert_array_equal(np.asarray(model.lm_head.weight[...]), w["lm_head.weight"])
+    ids = np.arange(6).reshape(1, 6)
+    out, hidden = jit_forward(model)(jnp.asarray(ids), return_hidden_states=True)
+    h = np.asarray(model.model.norm(hidden[-1]), np.float64)
+    np.testing.assert_allclose(np.asarray(out), h @ w["lm_head.weight"].T.astype(np.float64), rtol=1e-5, atol=1e-4)
+
+
+def test_layers_past_the_mtp_layers_are_unexpected(tmp_path, rng):
+    """The multi-token-prediction layers (num_hidden_layers .. + num_nextn_predict_layers - 1) are skipped, as
+    transformers does; a layer past them is an unexpected tensor (a config with fewer layers than its checkpoint
+    once loaded as a shallower model, silently)."""
+    cfg = DeepseekConfig.from_dict(CK)
+    w = random_weights(cfg, rng)
+    last = cfg.num_hidden_layers - 1
+    extra = {k.replace(f"model.layers.{last}.", f"model.layers.{last + 1}."): v
+             for k, v in w.items() if k.startswith(f"model.layers.{last}.")}
+    path = str(tmp_path / "mtp")
+    write_checkpoint(path, dict(CK, num_nextn_predict_layers=1), {**w, **extra})
+    load_checkpoint(path, dtype=jnp.float32, progress=False)  # layer L: the MTP layer, skipped
+    path = str(tmp_path / "deeper")
+    write_checkpoint(path, dict(CK, num_nextn_predict_layers=0), {**w, **extra})
+    with pytest.raises(CheckpointError, match=f"unexpected tensor 'model.layers.{last + 1}\\."):
+        load_checkpoint(path, dtype=jnp.float32, progress=False)
+

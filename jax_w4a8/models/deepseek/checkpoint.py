@@ -442,10 +442,29 @@ _EXPERT_W = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+\.gate_proj\.wei
 
 
 def _skipped(name: str, cfg: DeepseekConfig) -> bool:
-    """MTP layers (index >= num_hidden_layers), rotary buffers, and a tied ``lm_head.weight`` are not loaded."""
+    """The multi-token-prediction layers (``num_hidden_layers`` .. ``+ num_nextn_predict_layers - 1``), rotary
+    buffers, and a tied ``lm_head.weight`` equal to the embedding are not loaded. Layers past those are not
+    skipped: they are unexpected tensors (a config with fewer layers than its checkpoint)."""
     m = _LAYER.match(name)
-    return (bool(m and int(m.group(1)) >= cfg.num_hidden_layers) or name.endswith("rotary_emb.inv_freq")
+    mtp = bool(m and cfg.num_hidden_layers <= int(m.group(1)) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
+    return (mtp or name.endswith("rotary_emb.inv_freq")
             or (cfg.tie_word_embeddings and name == "lm_head.weight"))
+
+
+def _untie_a_different_lm_head(cfg: DeepseekConfig, files, infos: dict[str, TensorInfo]) -> DeepseekConfig:
+    """``tie_word_embeddings`` with an ``lm_head.weight`` in the checkpoint that differs from the embedding: as
+    transformers (which warns it will not tie them), the checkpoint's head is loaded, untied; an equal one is the
+    tied embedding. Reads both tensors, only in this case."""
+    if not (cfg.tie_word_embeddings and "lm_head.weight" in infos and "model.embed_tokens.weight" in infos):
+        return cfg
+    read = {sf.path: sf for sf in files}
+    head, embed = (read[infos[n].file].read_tensor(n) for n in ("lm_head.weight", "model.embed_tokens.weight"))
+    if head.shape == embed.shape and np.array_equal(head.view(np.uint8), embed.view(np.uint8)):
+        return cfg
+    warnings.warn("load_checkpoint: config.json ties the word embeddings, but the checkpoint's lm_head.weight "
+                  "differs from model.embed_tokens.weight: loading it untied, as transformers does (set "
+                  "tie_word_embeddings to false in config.json to silence this)", stacklevel=3)
+    return dataclasses.replace(cfg, tie_word_embeddings=False)
 
 
 def resolve_quant_config(cfg: DeepseekConfig, infos: dict[str, TensorInfo], quantize: str | None,
@@ -466,6 +485,10 @@ def resolve_quant_config(cfg: DeepseekConfig, infos: dict[str, TensorInfo], quan
     src_linear = "fp8" if any(t.dtype == "F8_E4M3" and ".mlp.experts." not in n for n, t in live.items()) else "none"
     expert_dtypes = {t.dtype for n, t in live.items() if _EXPERT_W.match(n)}
     src_experts = "w4a8" if "I8" in expert_dtypes else "fp8" if "F8_E4M3" in expert_dtypes else "none"
+    block = (quantization_config or {}).get("weight_block_size")
+    if "fp8" in (src_linear, src_experts) and block is not None and list(block) != [BLOCK, BLOCK]:
+        raise CheckpointError(f"quantization_config.weight_block_size is {block}: only FP8 blocks of "
+                              f"[{BLOCK}, {BLOCK}] are supported")
     if ue8m0 is None:
         ue8m0 = (quantization_config or {}).get("scale_fmt") == "ue8m0"
     if quantize is None:
@@ -527,6 +550,7 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
             if name in infos:
                 raise CheckpointError(f"tensor '{name}' is stored twice: in {infos[name].file} and {sf.path}")
             infos[name] = info
+    cfg = _untie_a_different_lm_head(cfg, files, infos)
     qc = resolve_quant_config(cfg, infos, quantize, raw_cfg.get("quantization_config"), act_scale=act_scale,
                               ue8m0=ue8m0)
     abstract = nnx.eval_shape(lambda: DeepseekV3ForCausalLM(cfg, quant=qc, dtype=dtype, rngs=nnx.Rngs(0)))
