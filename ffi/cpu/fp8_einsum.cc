@@ -32,32 +32,31 @@ ffi::Error Fp8EinsumCpu(ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   const int64_t m = d.m, h = d.h, n = d.n, k = d.k, groups = d.groups;
 
-  std::vector<float> wrow(static_cast<size_t>(k)), xf(static_cast<size_t>(m * h * k));
-  for (int64_t i = 0; i < m * h * k; ++i) xf[i] = E4m3ToFloat(xp[i]);
-  std::vector<float> acc(static_cast<size_t>(m * h * n));
+  // No temporaries of the operands' size (an allocation failure here would escape the handler and end the
+  // process): activations decoded through a 256-entry table, results written straight to the output.
+  float e4m3[256];
+  for (int c = 0; c < 256; ++c) e4m3[c] = E4m3ToFloat(static_cast<uint8_t>(c));
+  std::vector<float> wrow(static_cast<size_t>(k));
+  auto store = [&](int64_t idx, float v) {
+    if (d.out_bf16) static_cast<uint16_t*>(out->untyped_data())[idx] = FloatToBf16Bits(v);
+    else static_cast<float*>(out->untyped_data())[idx] = v;
+  };
   for (int64_t head = 0; head < h; ++head) {
     for (int64_t col = 0; col < n; ++col) {
       const uint8_t* wr = wp + (head * n + col) * k;
       for (int64_t kk = 0; kk < k; ++kk) wrow[kk] = E4m3ToFloat(wr[kk]);
       const int64_t srow = head * d.w_scale_rows + col / d.w_rows_per_scale;
       for (int64_t row = 0; row < m; ++row) {
-        const float* xr = &xf[(row * h + head) * k];
+        const uint8_t* xr = xp + (row * h + head) * k;
         float total = 0.0f;
         for (int64_t g = 0; g < groups; ++g) {
           float part = 0.0f;  // fp32 promotion per 128-K block
-          for (int64_t kk = g * kGroup; kk < (g + 1) * kGroup; ++kk) part += xr[kk] * wrow[kk];
+          for (int64_t kk = g * kGroup; kk < (g + 1) * kGroup; ++kk) part += e4m3[xr[kk]] * wrow[kk];
           total += ScaleAt(x_scale, (row * h + head) * groups + g) * ScaleAt(w_scale, srow * groups + g) * part;
         }
-        acc[(row * h + head) * n + col] = total;
+        store((row * h + head) * n + col, total);
       }
     }
-  }
-  if (d.out_bf16) {
-    auto* o = static_cast<uint16_t*>(out->untyped_data());
-    for (size_t i = 0; i < acc.size(); ++i) o[i] = FloatToBf16Bits(acc[i]);
-  } else {
-    auto* o = static_cast<float*>(out->untyped_data());
-    for (size_t i = 0; i < acc.size(); ++i) o[i] = acc[i];
   }
   return ffi::Error::Success();
 }

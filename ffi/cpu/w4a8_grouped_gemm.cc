@@ -24,8 +24,15 @@ ffi::Error W4a8GroupedGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::Any
   const auto* gs = static_cast<const int32_t*>(group_sizes.untyped_data());
   const int64_t m = d.m, k = d.k, n = d.n, groups = d.groups;
 
-  std::vector<float> xf(static_cast<size_t>(m * k)), acc(static_cast<size_t>(m * n), 0.0f);
-  for (int64_t i = 0; i < m * k; ++i) xf[i] = E4m3ToFloat(xp[i]);
+  // No temporaries of the operands' size (an allocation failure here would escape the handler and end the
+  // process): activations decoded through a 256-entry table, results written straight to the output.
+  float e4m3[256];
+  for (int c = 0; c < 256; ++c) e4m3[c] = E4m3ToFloat(static_cast<uint8_t>(c));
+  auto store = [&](int64_t idx, float v) {
+    if (d.out_bf16) static_cast<uint16_t*>(out->untyped_data())[idx] = FloatToBf16Bits(v);
+    else static_cast<float*>(out->untyped_data())[idx] = v;
+  };
+  for (int64_t i = 0; i < m * n; ++i) store(i, 0.0f);  // rows past the last expert's end stay 0
   auto act_scale = [&](int64_t row, int64_t g) {
     switch (d.x_scale_kind) {
       case XScaleKind::kTensor: return sa[0];
@@ -46,25 +53,17 @@ ffi::Error W4a8GroupedGemmCpu(ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::Any
       const int8_t* row = wp + (e * n + col) * (k / 2);
       for (int64_t kk = 0; kk < k; ++kk) qrow[kk] = static_cast<float>(Int4At(row, kk));
       for (int64_t r = begin; r < end; ++r) {
-        const float* xr = &xf[r * k];
+        const uint8_t* xr = xp + r * k;
         float total = 0.0f;
         for (int64_t g = 0; g < groups; ++g) {
           float part = 0.0f;  // a fresh accumulator per 128-K group, scales applied after it
-          for (int64_t kk = g * kGroup; kk < (g + 1) * kGroup; ++kk) part += xr[kk] * qrow[kk];
+          for (int64_t kk = g * kGroup; kk < (g + 1) * kGroup; ++kk) part += e4m3[xr[kk]] * qrow[kk];
           total += act_scale(r, g) * weight_scale((e * n + col) * groups + g) * part;
         }
-        acc[r * n + col] = total;
+        store(r * n + col, total);
       }
     }
     begin = end;
-  }
-  // Rows past the last expert's end keep acc == 0.
-  if (d.out_bf16) {
-    auto* o = static_cast<uint16_t*>(out->untyped_data());
-    for (int64_t i = 0; i < m * n; ++i) o[i] = FloatToBf16Bits(acc[i]);
-  } else {
-    auto* o = static_cast<float*>(out->untyped_data());
-    for (int64_t i = 0; i < m * n; ++i) o[i] = acc[i];
   }
   return ffi::Error::Success();
 }
