@@ -823,3 +823,18 @@ print("ok")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
+
+
+@pytest.mark.gpu
+def test_simple_kernel_refuses_more_column_tiles_than_its_grid(device):
+    """The CUDA-core kernel (tile_tokens=0) has one grid row per 64 columns, at most 65535: past that the handler
+    names the limit (the launch failed with "invalid configuration argument")."""
+    if device.platform != "gpu":
+        pytest.skip("the CUDA simple kernel")
+    n = 65535 * 64 + 64
+    x8 = jnp.zeros((1, 128), jnp.float8_e4m3fn)
+    w = jnp.zeros((1, n, 64), jnp.int8)
+    ws = jnp.ones((1, n, 1), jnp.float32)
+    with pytest.raises(Exception, match="at most 65535 column tiles"):
+        jax.block_until_ready(ops.w4a8_grouped_gemm(x8, jnp.float32(1.0), w, ws, jnp.asarray([1], jnp.int32),
+                                                    tile_tokens=0, impl="ffi"))

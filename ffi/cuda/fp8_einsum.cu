@@ -89,6 +89,9 @@ ffi::Error LaunchSimple(cudaStream_t stream, const Fp8EinsumDims& d, const ffi::
                         const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w, const ffi::AnyBuffer& w_scale,
                         ffi::AnyBuffer& out) {
   if (d.h > 65535) return Invalid("fp8_einsum", "at most 65535 heads are supported by the simple kernel");
+  if ((d.n + kTileN - 1) / kTileN > 65535)
+    return Invalid("fp8_einsum", "the simple kernel takes at most 65535 column tiles (N <= " +
+                                     std::to_string(65535 * kTileN) + ")");
   EinsumArgs a{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
                static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(), out.untyped_data(),
                d.m, d.h, d.n, d.k, d.groups, d.w_scale_rows, d.w_rows_per_scale,

@@ -132,6 +132,9 @@ __global__ void __launch_bounds__(simple::kThreads) GroupedGemmSimpleKernel(Gemm
 ffi::Error LaunchSimple(cudaStream_t stream, const GroupedGemmDims& d, const ffi::AnyBuffer& x,
                         const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w, const ffi::AnyBuffer& w_scale,
                         const ffi::AnyBuffer& group_sizes, ffi::AnyBuffer& out) {
+  if ((d.n + kTileN - 1) / kTileN > 65535)
+    return Invalid("w4a8_grouped_gemm", "the simple kernel takes at most 65535 column tiles (N <= " +
+                                            std::to_string(65535 * kTileN) + ")");
   GemmArgs a{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const float*>(x_scale.untyped_data()),
              static_cast<const int8_t*>(w.untyped_data()), w_scale.untyped_data(),
              static_cast<const int32_t*>(group_sizes.untyped_data()), out.untyped_data(),
