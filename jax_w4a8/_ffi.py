@@ -110,7 +110,8 @@ def build_info() -> dict:
     entry has ``available``, ``reason`` and ``source_sha256`` (None where the module did not load, "unknown"
     for a build without the fingerprint, such as Bazel's). In a source checkout (``ffi/`` next to the package)
     ``checkout`` holds that folder's fingerprint and ``stale``: the platforms whose loaded module was built
-    from other sources (rebuild: ``cmake --build build && cmake --install build``). Benchmarks and bug reports
+    from other sources (rebuild: rerun ``./scripts/test.sh`` or ``./scripts/main.sh``; a hand build: ``cmake --build
+    build && cmake --install build``). Benchmarks and bug reports
     should quote it, so that results name the kernels they ran.
     """
     from jax_w4a8 import __version__

@@ -46,7 +46,8 @@ def main(argv=None) -> int:
         print(f"  FFI handlers for {plat}: {'yes' + built if st else 'no (' + st.reason + ')'}")
     if info["checkout"] and info["checkout"]["stale"]:
         print(f"  WARNING: {info['checkout']['ffi_dir']} has changed since the {info['checkout']['stale']} module(s) "
-              "were built: rebuild (cmake --build build && cmake --install build)")
+              "were built: rebuild (rerun ./scripts/test.sh; by hand: cmake --build build && "
+              "cmake --install build)")
     rng = np.random.default_rng(args.seed)
     k, n, e, m = 7168, 512, args.experts, args.rows
 

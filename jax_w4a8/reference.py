@@ -1,8 +1,8 @@
-"""The oracle: both ops in plain ``jnp`` with float32 math and one output rounding.
+"""The oracle: the ops in plain ``jnp`` with float32 math and one output rounding.
 
-Same signatures and meanings as :mod:`jax_w4a8.ops` (which validates its arguments before calling
-here). These are written for clarity, not speed: use them to check kernels, or where no FFI build
-exists.
+The same math as :mod:`jax_w4a8.ops` (which validates its arguments before calling here);
+:func:`fp8_einsum` takes only the canonical batched form (x [M, H, K], w [H, N, K]; no equation). These are
+written for clarity, not speed: use them to check kernels, or where no FFI build exists.
 """
 
 from __future__ import annotations

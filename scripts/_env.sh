@@ -1,6 +1,7 @@
 # Sourced by scripts/main.sh and scripts/test.sh: makes .venv (Python >= 3.12) and installs the
-# package in editable mode, rebuilding the FFI handlers when ffi/, CMakeLists.txt or pyproject.toml
-# changed since the last install. Set JAX_W4A8_PYTHON to pick the interpreter.
+# package in editable mode, rebuilding the FFI handlers when ffi/, CMakeLists.txt, pyproject.toml or
+# scripts/constraints.txt changed since the last install; with an NVIDIA GPU, also JAX's CUDA plugin.
+# Set JAX_W4A8_PYTHON to pick the interpreter.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${JAX_W4A8_VENV:-$ROOT/.venv}"
@@ -36,5 +37,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   $PIP install -q --no-deps "nvidia-cutlass==4.2.0.0"
   $PIP install -q --no-build-isolation -e "$ROOT[test]"
   echo "$HASH" > "$STAMP"
+fi
+# On a machine with an NVIDIA GPU, JAX's CUDA plugin (else JAX runs on the CPU and the GPU tests skip);
+# JAX_W4A8_JAX_CUDA=0 skips it. A failed install (no network) warns and leaves the CPU build working.
+if [ "${JAX_W4A8_JAX_CUDA:-1}" != 0 ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU' \
+    && ! $PIP show -q jax-cuda13-plugin >/dev/null 2>&1; then
+  echo "[jax_w4a8] an NVIDIA GPU is present: installing JAX's CUDA 13 plugin (jax[cuda13])"
+  $PIP install -q "jax[cuda13]" || echo "[jax_w4a8] warning: jax[cuda13] did not install; JAX will run on the CPU" >&2
 fi
 export PATH="$VENV/bin:$PATH"

@@ -9,7 +9,8 @@ from jax_w4a8.models.deepseek.config import DeepseekConfig, QuantConfig, RopePar
 from jax_w4a8.models.deepseek.model import DeepseekV3ForCausalLM, DeepseekV3Model, forward, jit_forward
 from jax_w4a8.models.deepseek.checkpoint import load_checkpoint, save_checkpoint
 from jax_w4a8.models.deepseek.parallel import shard_model
-from jax_w4a8.models.deepseek.generate import generate
+from jax_w4a8.models.deepseek.generate import NonFiniteLogitsError, generate
 
 __all__ = ["DeepseekConfig", "QuantConfig", "RopeParameters", "DeepseekV3ForCausalLM", "DeepseekV3Model",
-           "forward", "jit_forward", "load_checkpoint", "save_checkpoint", "shard_model", "generate"]
+           "forward", "jit_forward", "load_checkpoint", "save_checkpoint", "shard_model", "generate",
+           "NonFiniteLogitsError"]

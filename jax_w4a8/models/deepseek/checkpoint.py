@@ -11,16 +11,18 @@ Formats read (SPEC section 6), per tensor, by its stored dtype:
 * routed experts in the hub per-expert layout or transformers-5's fused ``experts.gate_up_proj``
   [E, 2I, D] (gate rows first) / ``experts.down_proj`` [E, D, I] (float only).
 
-Layers at or past ``num_hidden_layers`` (DeepSeek's MTP layer 61) and ``rotary_emb.inv_freq`` buffers are
-skipped. Every other tensor must be consumed: the headers of all files are checked *before* any data is
+The ``num_nextn_predict_layers`` multi-token-prediction layers after the last layer (DeepSeek's layer 61),
+``rotary_emb.inv_freq`` buffers and a tied ``lm_head.weight`` equal to the embedding are skipped (a tied config
+whose checkpoint head differs loads it untied, with a warning, as transformers does); deeper layers are
+unexpected tensors. Every other tensor must be consumed: the headers of all files are checked *before* any data is
 read, and a missing, unexpected, mis-shaped or wrongly typed tensor is a ``CheckpointError`` naming the
 tensor and the file.
 
 Memory: tensors are read one at a time from the files (``read_tensor``) and converted as soon as all the
 pieces of one weight are in (a weight and its ``weight_scale_inv`` may sit in different shards; the
 routed experts of a layer are assembled into one host buffer in the *target* format). Peak host memory
-is about the model plus one shard. Every array reaches JAX through :func:`place`, the one place where
-a later version puts tensors straight onto a mesh.
+is about the model plus one shard. Every array reaches JAX through :func:`place`, which puts it straight
+onto ``mesh``'s devices when one is given.
 
 The reader parses the safetensors header itself (8-byte length, JSON header, raw little-endian data) and
 reads each tensor with one ``readinto``: ``safetensors.safe_open`` (0.8) cannot materialise ``F8_E4M3``

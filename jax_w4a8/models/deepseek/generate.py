@@ -15,9 +15,9 @@ zeros and are masked out of every attention, so a row's tokens do not depend on 
 floating-point sums). Every row writes its next token into the same slot, so one decode step serves the
 whole batch.
 
-Compilation. Prefill (one forward over ``[B, T_b]``, transformers' expanded attention, latents written into
-the cache, first token sampled) and the decode step (one token per row, absorbed attention over the cache,
-next token sampled) are each one ``jax.jit`` with the cache donated. They compile once per
+Compilation. Prefill (one forward over ``[B, T_b]``, expanded attention as ``model.set_attention`` says,
+latents written into the cache, first token sampled) and the decode step (one token per row, absorbed
+attention over the cache, next token sampled) are each one ``jax.jit`` with the cache donated. They compile once per
 (model structure, batch, ``T_b``, cache length, sampling mode); calling :func:`generate` again with prompts
 in the same bucket compiles nothing. The cache length is ``T_b + max_new_tokens - 1`` rounded up by
 :func:`cache_bucket`.

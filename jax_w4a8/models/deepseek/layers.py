@@ -590,9 +590,10 @@ class Experts(nnx.Module):
       ``input_scales``: ``gate_up_proj_input_scale`` fp32 [E, 2] (w1 = gate, w3 = up) and
       ``down_proj_input_scale`` fp32 [E] (w2). Activations fp8 per token-group (``act_scale="dynamic"``)
       or per tensor with the max ``input_scale`` of the layer (``"static"``); ``ops.w4a8_grouped_gemm``
-      for gate+up and for down; ``silu(gate) * up`` in fp32, rounded to ``dtype``, re-quantized for down
-      (dynamic: ``ops.silu_mul_quantize_fp8_groups``), or, per :attr:`moe_up`, all three in
-      ``ops.w4a8_moe_up``'s fused kernel (gate, up and h then stay float32: not rounded to ``dtype``).
+      for gate+up and for down; ``silu(gate) * up`` in fp32 and re-quantized for down (dynamic:
+      ``ops.silu_mul_quantize_fp8_groups`` quantizes the fp32 product; static: rounded to ``dtype`` first),
+      or, per :attr:`moe_up`, all three in ``ops.w4a8_moe_up``'s fused kernel (gate, up and h then stay
+      float32: not rounded to ``dtype``).
 
     ``moe_up`` (static, :data:`MOE_UP_IMPLS`, default "auto"): how W4A8 experts that :attr:`can_fuse_up` form
     the down projection's input; others always run unfused.

@@ -176,7 +176,8 @@ def forward(graphdef, state, input_ids, positions=None, attention_mask=None, ret
 
 
 def jit_forward(model: DeepseekV3ForCausalLM):
-    """Splits ``model`` once and returns ``fn(input_ids, positions=None, return_hidden_states=False)``
+    """Splits ``model`` once and returns ``fn(input_ids, positions=None, attention_mask=None,
+    return_hidden_states=False)``
     running :func:`forward` (weights are jit arguments, not constants).
 
     ``input_ids``: int32 [B, T]; ``positions``: optional int32 [B, T] (default ``0 .. T - 1``; they rotate, the
