@@ -2,7 +2,9 @@
 
 The same math as :mod:`jax_w4a8.ops` (which validates its arguments before calling here);
 :func:`fp8_einsum` takes only the canonical batched form (x [M, H, K], w [H, N, K]; no equation). These are
-written for clarity, not speed: use them to check kernels, or where no FFI build exists.
+written for clarity, not speed: use them to check kernels, or where no FFI build exists. On XLA's CPU backend
+subnormal float32 values (a scale below 2**-126, UE8M0 code 0) are flushed to zero here, where the kernels and
+the CPU handlers keep them.
 """
 
 from __future__ import annotations
