@@ -30,18 +30,25 @@ export PIP_CONSTRAINT="$ROOT/scripts/constraints.txt"
 
 STAMP="$VENV/.jax_w4a8_build_stamp"
 HASH="$(cd "$ROOT" && cat pyproject.toml CMakeLists.txt scripts/constraints.txt $(find ffi -type f | sort) | sha256sum | cut -c1-16)"
+# An NVIDIA GPU (grep reads all of nvidia-smi's output: with -q it could exit early, SIGPIPE under pipefail)
+GPU=0
+if [ "${JAX_W4A8_JAX_CUDA:-1}" != 0 ] && nvidia-smi -L 2>/dev/null | grep '^GPU' >/dev/null; then GPU=1; fi
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   echo "[jax_w4a8] installing build tools and the package (editable)"
   $PIP install -q "scikit-build-core>=0.10" "nanobind>=2.4" "cmake>=3.30" "ninja>=1.11" "jax>=0.11.2"
   # CUTLASS headers for the fp8 einsum's prefill kernel (the wheel's Python deps are not needed to build)
   $PIP install -q --no-deps "nvidia-cutlass==4.2.0.0"
   $PIP install -q --no-build-isolation -e "$ROOT[test]"
+  if [ "$GPU" = 1 ] && $PIP show -q jax-cuda13-plugin >/dev/null 2>&1; then  # kept at jaxlib's (pinned) version
+    $PIP install -q "jax[cuda13]" || echo "[jax_w4a8] warning: jax[cuda13] did not update" >&2
+  fi
   echo "$HASH" > "$STAMP"
 fi
-# On a machine with an NVIDIA GPU, JAX's CUDA plugin (else JAX runs on the CPU and the GPU tests skip);
-# JAX_W4A8_JAX_CUDA=0 skips it. A failed install (no network) warns and leaves the CPU build working.
-if [ "${JAX_W4A8_JAX_CUDA:-1}" != 0 ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU' \
-    && ! $PIP show -q jax-cuda13-plugin >/dev/null 2>&1; then
+# On a machine with an NVIDIA GPU, JAX's CUDA plugin unless one (CUDA 12 or 13) is there already (else JAX runs
+# on the CPU and the GPU tests skip); JAX_W4A8_JAX_CUDA=0 skips the install. A failed install (no network) warns
+# and leaves the CPU build working.
+if [ "$GPU" = 1 ] && ! $PIP show -q jax-cuda13-plugin >/dev/null 2>&1 \
+    && ! $PIP show -q jax-cuda12-plugin >/dev/null 2>&1; then
   echo "[jax_w4a8] an NVIDIA GPU is present: installing JAX's CUDA 13 plugin (jax[cuda13])"
   $PIP install -q "jax[cuda13]" || echo "[jax_w4a8] warning: jax[cuda13] did not install; JAX will run on the CPU" >&2
 fi

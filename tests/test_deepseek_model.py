@@ -248,8 +248,8 @@ def test_packed_sequences_never_attend_later_tokens():
 
 def test_set_attention_reaches_every_prefill_with_the_causal_promise(monkeypatch):
     """``set_attention`` is a static part of the model: each layer's expanded attention gets it (a jitted forward
-    retraces), with ``causal`` exactly when the mask is the causal one: default positions and generate's
-    prefill, not explicit positions; decode steps use the latent attention."""
+    retraces), with ``causal`` on every prefill (the mask is causal in token order whatever the positions, and in
+    generate's prefill); decode steps use the latent attention."""
     from jax_w4a8.models.deepseek import generate
     from jax_w4a8.models.deepseek.model import default_positions
     jax.clear_caches()        # traces of the same model from other tests would skip the recorder

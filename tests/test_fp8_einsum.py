@@ -455,8 +455,8 @@ def test_constant_scales_captured_by_jit(rng):
                    (as_e8m0, {})):
         got = jax.jit(lambda v, ws=ws, kw=kw: ops.fp8_einsum("md,nd->mn", x, v, w, ws, **kw))(xs)
         np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), want)
-        np.testing.assert_array_equal(np.asarray(jax.jit(lambda ws=ws: ops.pack_ue8m0(
-            jnp.asarray(sw[0])))()), codes)
+    for ws in (np.asarray(sw[0]), jnp.asarray(sw[0])):  # made outside the jitted function: encoded at trace time
+        np.testing.assert_array_equal(np.asarray(jax.jit(lambda ws=ws: ops.pack_ue8m0(ws))()), codes)
     bad = codes.copy()
     bad[0, 0] = 0xFF
     with pytest.raises(ValueError, match="'w_scale' holds UE8M0 code 0xFF"):

@@ -38,7 +38,7 @@ __all__ = ["DeepseekV3Model", "DeepseekV3ForCausalLM", "decoder_layer", "forward
 @functools.partial(jax.jit, static_argnums=0, static_argnames="causal")
 def decoder_layer(graphdef, state, h, cos, sin, mask, causal: bool = False):
     """One decoder layer as a pure function: ``h [B, T, D] -> [B, T, D]`` (same dtype). ``causal``: the mask
-    is the causal one of default positions (lets a fused attention skip the blocks above the diagonal)."""
+    allows no key after its query (lets a fused attention skip the blocks above the diagonal)."""
     return nnx.merge(graphdef, state)(h, cos, sin, mask, causal)
 
 
@@ -48,10 +48,11 @@ def default_positions(input_ids):
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
 
 
-def causal_mask(input_ids, attention_mask=None):
+def causal_mask(input_ids, *, attention_mask=None):
     """bool [B, T, T]: query t may attend key s iff ``s <= t`` (token order, as transformers: not the positions,
     which only rotate) and key s is a real token (``attention_mask[b, s]``, when given). A padding query whose
-    mask allows no key gets a zero attention output (:func:`layers.mla_attention`)."""
+    mask allows no key gets a meaningless output (:func:`layers.mla_attention`: zeros under cuDNN, the mean of
+    the values eagerly), as in transformers."""
     b, t = input_ids.shape
     mask = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
     return mask if attention_mask is None else mask & attention_mask.astype(bool)[:, None, :]
@@ -85,7 +86,7 @@ class DeepseekV3Model(nnx.Module):
         positions = positions.astype(jnp.int32)
         h = self.embed_tokens(input_ids)
         cos, sin = layers.rope_cos_sin(positions, self.cfg, self.dtype)
-        mask = causal_mask(input_ids, attention_mask)
+        mask = causal_mask(input_ids, attention_mask=attention_mask)
         hidden = [h] if return_hidden_states else None
         for layer in self.layers:
             graphdef, state = nnx.split(layer)
