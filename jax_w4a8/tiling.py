@@ -257,7 +257,7 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     units = batches * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
     work = busy * max(1, math.ceil(rows / tile_tokens)) * math.ceil(f / _FEAT_TILE)
     out_bytes = m * h * f * 4  # float32 output size: stream-K is left to outputs of at most 64 MB (as measured)
-    ragged_wave = exact and work / (math.ceil(work / slots) * slots) < 0.75
+    ragged_wave = exact and work > 0 and work / (math.ceil(work / slots) * slots) < 0.75  # (no heads: no work)
     # grouped GEMM, some experts expected empty, deep tiles
     sparse = not exact and busy < _SPARSE_BUSY * batches and groups >= _SPARSE_MIN_GROUPS
     bound = (h * math.ceil(m / tile_tokens) + (0 if exact else batches)) * math.ceil(f / _FEAT_TILE)
@@ -266,7 +266,7 @@ def _plan(m: int, h: int, f: int, k: int, batches: int, rows: float, tile_tokens
     blocks = min(slots, bound * groups)  # stream-K blocks: those that can get an iteration
     if exact:  # the einsum: at most _MAX_PIECES pieces per tile (the completing warp sums them one by one)
         blocks = min(blocks, max(work, 1) * _MAX_PIECES)
-    if groups > 1 and dealable and (work < slots or ((ragged_wave or sparse) and out_bytes <= 64 << 20)):
+    if groups > 1 and dealable and work > 0 and (work < slots or ((ragged_wave or sparse) and out_bytes <= 64 << 20)):
         split = max(2, min(math.ceil(blocks / max(work, 1)), groups))
     if split_k is not None:  # forced (probes): any split the kernel can deal
         if not (isinstance(split_k, int) and 1 <= split_k <= max(groups, 1) and (split_k == 1 or dealable)):
@@ -338,6 +338,18 @@ def _check_sizes(**sizes) -> None:
         raise ValueError(f"argument 'k' must be a multiple of 128, got {sizes['k']}")
 
 
+def _options(**options):
+    """The planners' integer options (``tile_tokens``, ``split_k``, ``num_sms``): None or an int (a NumPy integer
+    too; not a bool or a float), returned as Python ints; ``tile_tokens`` may be 0, the others at least 1."""
+    out = []
+    for name, v in options.items():
+        if v is not None:
+            _check_int(name, v, 0 if name == "tile_tokens" else 1, "None or an int")
+            v = int(v)
+        out.append(v)
+    return out
+
+
 def _check_rows(rows_per_expert) -> None:
     if rows_per_expert is None:
         return
@@ -394,6 +406,7 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     """
     _check_sizes(m=m, e=e, n=n, k=k)
     _check_rows(rows_per_expert)
+    tile_tokens, split_k, num_sms = _options(tile_tokens=tile_tokens, split_k=split_k, num_sms=num_sms)
     if kernel not in (None,) + GROUPED_KERNELS:
         raise ValueError(f"argument 'kernel' must be None or one of {GROUPED_KERNELS}, got {kernel!r}")
     if kernel == "cutlass" and (tile_tokens is not None or mma is not None):
@@ -500,6 +513,7 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
     """
     _check_sizes(m=m, e=e, inter=inter, k=k)
     _check_rows(rows_per_expert)
+    tile_tokens, num_sms = _options(tile_tokens=tile_tokens, num_sms=num_sms)
     if fused is not None and not isinstance(fused, (bool, np.bool_)):
         raise ValueError(f"argument 'fused' must be None, True or False, got {fused!r}")
     if fused is False and (tile_tokens is not None or mma is not None):
@@ -594,6 +608,7 @@ def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = Fals
     Raises ValueError naming ``tile_tokens`` or ``kernel`` for a choice these shapes cannot run.
     """
     _check_sizes(m=m, h=h, n=n, k=k)
+    tile_tokens, num_sms = _options(tile_tokens=tile_tokens, num_sms=num_sms)
     if kernel not in (None,) + EINSUM_KERNELS:
         raise ValueError(f"argument 'kernel' must be None or one of {EINSUM_KERNELS}, got {kernel!r}")
     if kernel == "cutlass" and tile_tokens is not None:

@@ -547,3 +547,31 @@ def test_planners_check_their_sizes():
     assert tiling.plan_grouped_gemm(0, 4, 16, 256).tile_tokens in tiling.GROUPED_TILE_TOKENS
     assert tiling.plan_fp8_einsum(0, 0, 64, 256).scratch_bytes >= 0
     assert tiling.plan_grouped_gemm(16, 4, 16, 256, rows_per_expert=np.float32(4.0)).tile_tokens == 8
+
+
+def test_integer_options_are_checked_by_type():
+    """tile_tokens, split_k and num_sms: None or an int (NumPy integers too). A float tile once passed the
+    membership test (16.0 == 16) and made scratch_bytes a float, which failed inside JAX without naming it; a
+    split_k on the tile-0 / CUTLASS paths was never checked; num_sms=0 passed there."""
+    for fn, shape in ((tiling.plan_grouped_gemm, (64, 32, 4096, 7168)), (tiling.plan_moe_up, (64, 32, 2048, 7168)),
+                      (tiling.plan_fp8_einsum, (64, 1, 4096, 7168))):
+        for bad in (16.0, True, "16", -1):
+            with pytest.raises(ValueError, match="argument 'tile_tokens' must be None or an int"):
+                fn(*shape, tile_tokens=bad)
+        for bad in (0, 132.0, False):
+            with pytest.raises(ValueError, match="argument 'num_sms' must be None or an int >= 1"):
+                fn(*shape, tile_tokens=0 if fn is not tiling.plan_moe_up else None, num_sms=bad)
+        assert fn(*shape, tile_tokens=np.int64(16)) == fn(*shape, tile_tokens=16)
+    for bad in (-5, 0, "x", 2.0):
+        with pytest.raises(ValueError, match="argument 'split_k' must be None or an int >= 1"):
+            tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=0, split_k=bad)
+    forced = tiling.plan_grouped_gemm(64, 32, 4096, 7168, tile_tokens=16, split_k=np.int64(2))
+    assert forced.split_k == 2 and isinstance(forced.scratch_bytes, int)
+
+
+def test_einsum_without_heads_plans_without_dividing_by_zero():
+    """An einsum of zero heads (the handler returns at once) has no work: it once raised ZeroDivisionError in the
+    ragged-wave test, for every impl (the plan is made before dispatch); now a plan without split or scratch."""
+    for m, tile in ((9, None), (0, 16), (4096, 64)):
+        plan = tiling.plan_fp8_einsum(m, 0, 4096, 7168, tile_tokens=tile, cutlass=False)
+        assert plan.split_k == 1 and plan.scratch_bytes == 0
