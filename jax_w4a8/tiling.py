@@ -39,7 +39,7 @@ them, one block per SM holds as many rows as two blocks of 128). The heuristic:
 * ``split_k``: when the expected units of work (batches with rows x token tiles x 128-row weight
   tiles; at batch-1 decode only ~top-k experts of the grouped GEMM have rows) do not fill the
   resident blocks (two per SM at token tiles <= 32, else one), or, for the einsum (whose units are
-  known exactly), when the last wave would leave more than a quarter of the blocks idle, the
+  known exactly), when its waves would keep less than three quarters of the blocks busy on average, the
   kernel runs stream-K: the (unit, K group) iterations are dealt out in equal contiguous ranges, one
   per resident block, so every block streams the same number of K groups whatever the tile count. Not where
   whole units of 256 rows (the f16 8- to 32-token tiles, N a multiple of 256) make one wave that fills at least
