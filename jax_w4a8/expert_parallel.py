@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
+from jax_w4a8 import moe
 from jax_w4a8.moe import map_rows
 from jax_w4a8.sharding import EXPERT_AXIS
 
@@ -95,8 +96,9 @@ def _gather_body(x, ids, weights, params, *, experts_fn, num_experts, n):
     d = jax.lax.axis_index(EXPERT_AXIS)
     e_local = num_experts // n
     tokens, k = ids.shape
+    ok = (ids.reshape(-1) >= 0) & (ids.reshape(-1) < num_experts)  # before int32 (int64 ids must not wrap)
     flat = ids.reshape(-1).astype(jnp.int32)
-    local = (flat // e_local) == d
+    local = ok & ((flat // e_local) == d)
     order, inverse, sizes = _sort_local(flat % e_local, local, e_local)
     y = experts_fn(params, map_rows(x, lambda a: jnp.take(a, order // k, axis=0)), sizes)
     y = jnp.take(y, inverse, axis=0).astype(F32)
@@ -159,10 +161,12 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
     start = d * t_local
     my_x = map_rows(x, lambda a: jax.lax.dynamic_slice_in_dim(a, start, t_local))
-    my_ids = jax.lax.dynamic_slice_in_dim(ids, start, t_local).reshape(-1).astype(jnp.int32)
+    raw_ids = jax.lax.dynamic_slice_in_dim(ids, start, t_local).reshape(-1)
+    my_ids = raw_ids.astype(jnp.int32)
     my_w = jax.lax.dynamic_slice_in_dim(weights, start, t_local)
     tok_valid = (start + jnp.arange(t_local)) < tokens
-    slot_valid = jnp.repeat(tok_valid, k)
+    # ids outside [0, E) are ignored, as moe_apply does (a negative one was sent to device 0's experts)
+    slot_valid = jnp.repeat(tok_valid, k) & (raw_ids >= 0) & (raw_ids < num_experts)
     slots = t_local * k
 
     # Sort my slots by destination device (then local expert); exchange sizes and offsets.
@@ -216,8 +220,10 @@ def moe_apply_ep(x, topk_ids, topk_weights, expert_params: Any, experts_fn: Call
       out_dtype [N, D], replicated.
     """
     n = ep.size
+    topk_ids, topk_weights = moe.check_moe_args(x, topk_ids, topk_weights, num_experts)
     if num_experts % n:
-        raise ValueError(f"moe_apply_ep: {num_experts} experts do not divide over an expert axis of size {n}")
+        raise ValueError(f"moe_apply_ep: argument 'num_experts' ({num_experts}) must divide over the expert axis "
+                         f"of size {n}")
     rows = x[0] if isinstance(x, tuple) else x
     if rows.shape[0] == 0:  # nothing to route (collectives reject empty operands)
         return jnp.zeros(rows.shape, out_dtype)

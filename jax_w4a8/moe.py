@@ -68,6 +68,21 @@ def sort_by_expert(topk_ids, num_experts: int) -> Routing:
     return Routing(order, group_sizes, inverse, order // k)
 
 
+def check_moe_args(x, topk_ids, topk_weights, num_experts):
+    """The checks of :func:`moe_apply` (shared with the expert-parallel path): returns ``(topk_ids,
+    topk_weights)`` as arrays; raises naming ``topk_ids``, ``topk_weights``, ``x`` or ``num_experts``."""
+    topk_ids = _check_ids(topk_ids, num_experts)
+    topk_weights = jnp.asarray(topk_weights)
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"moe: argument 'topk_weights' must have the shape of topk_ids {topk_ids.shape}, "
+                         f"got {topk_weights.shape}")
+    for a in (x if isinstance(x, tuple) else (x,)):
+        if jnp.ndim(a) < 1 or jnp.shape(a)[0] != topk_ids.shape[0]:
+            raise ValueError(f"moe: argument 'x' must have one row per token of topk_ids ({topk_ids.shape[0]}), "
+                             f"got shape {jnp.shape(a)}")
+    return topk_ids, topk_weights
+
+
 def _check_ids(topk_ids, num_experts):
     topk_ids = jnp.asarray(topk_ids)
     if not jnp.issubdtype(topk_ids.dtype, jnp.integer):
@@ -137,15 +152,7 @@ def moe_apply(x, topk_ids, topk_weights, experts_fn: Callable, num_experts: int,
     Raises:
       TypeError / ValueError naming ``topk_ids``, ``topk_weights``, ``x``, ``num_experts`` or ``out_dtype``.
     """
-    topk_ids = _check_ids(topk_ids, num_experts)
-    topk_weights = jnp.asarray(topk_weights)
-    if topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"moe: argument 'topk_weights' must have the shape of topk_ids {topk_ids.shape}, "
-                         f"got {topk_weights.shape}")
-    for a in (x if isinstance(x, tuple) else (x,)):
-        if jnp.ndim(a) < 1 or jnp.shape(a)[0] != topk_ids.shape[0]:
-            raise ValueError(f"moe: argument 'x' must have one row per token of topk_ids ({topk_ids.shape[0]}), "
-                             f"got shape {jnp.shape(a)}")
+    topk_ids, topk_weights = check_moe_args(x, topk_ids, topk_weights, num_experts)
     routing = sort_by_expert(topk_ids, num_experts)
     y_sorted = experts_fn(permute(x, routing), routing.group_sizes)
     return combine(y_sorted, routing.inverse, topk_weights, out_dtype, valid=_valid(topk_ids, num_experts))

@@ -116,6 +116,35 @@ def test_zero_tokens(dispatch):
     assert out.shape == (0, 16)
 
 
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_ids_outside_the_experts_are_ignored_and_bad_arguments_named(dispatch):
+    """As moe_apply: ids outside [0, E) add nothing (the all_to_all exchange once sent a -1 to device 0's experts:
+    3.8 off on its token), and misshapen arguments raise naming themselves (they were clamped or broadcast)."""
+    from jax_w4a8 import moe
+    from jax_w4a8.expert_parallel import moe_apply_ep
+    rng = np.random.default_rng()
+    mesh = sharding.make_mesh(2, jax.devices("cpu"))
+    e, n_tok, k, d = 4, 5, 2, 8
+    x = jnp.asarray(rng.standard_normal((n_tok, d)), jnp.float32)
+    ids = rng.integers(0, e, (n_tok, k)).astype(np.int32)
+    ids[0, 0], ids[3, 1] = -1, e  # one id below, one past the experts
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (n_tok, k)), jnp.float32)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, (e, 1)), jnp.float32)
+    fn = lambda p, xs, gs: xs * jnp.repeat(p[:, 0], gs, total_repeat_length=xs.shape[0])[:, None]  # noqa: E731
+    got = moe_apply_ep(x, jnp.asarray(ids), w, scale, fn, e, ExpertParallel(mesh, dispatch))
+    want = moe.moe_apply(x, jnp.asarray(ids), w, lambda xs, gs: fn(scale, xs, gs), e)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    ep = ExpertParallel(mesh, dispatch)
+    with pytest.raises(ValueError, match="'x' must have one row per token"):
+        moe_apply_ep(x[:3], jnp.asarray(ids), w, scale, fn, e, ep)
+    with pytest.raises(ValueError, match="'topk_weights' must have the shape"):
+        moe_apply_ep(x, jnp.asarray(ids), w[:, :1], scale, fn, e, ep)
+    with pytest.raises(TypeError, match="'topk_ids' must be an integer array"):
+        moe_apply_ep(x, jnp.asarray(ids, jnp.float32), w, scale, fn, e, ep)
+    with pytest.raises(ValueError, match="'num_experts'"):
+        moe_apply_ep(x, jnp.asarray(ids), w, scale, fn, 3, ep)
+
+
 def test_auto_dispatch_by_tokens():
     mesh = sharding.make_mesh(2, jax.devices("cpu"))
     ep = ExpertParallel(mesh, "auto", gather_max_tokens=16)
