@@ -69,8 +69,10 @@ def sort_by_expert(topk_ids, num_experts: int) -> Routing:
 
 
 def check_moe_args(x, topk_ids, topk_weights, num_experts):
-    """The checks of :func:`moe_apply` (shared with the expert-parallel path): returns ``(topk_ids,
-    topk_weights)`` as arrays; raises naming ``topk_ids``, ``topk_weights``, ``x`` or ``num_experts``."""
+    """The checks of :func:`moe_apply` (shared with the expert-parallel path): ``x`` [N, D] (or a tuple of
+    arrays of N rows), ``topk_ids`` integer [N, K], ``topk_weights`` [N, K], ``num_experts`` an int >= 1.
+    Returns ``(topk_ids, topk_weights)`` as arrays; raises TypeError / ValueError naming ``topk_ids``,
+    ``topk_weights``, ``x`` or ``num_experts``."""
     topk_ids = _check_ids(topk_ids, num_experts)
     topk_weights = jnp.asarray(topk_weights)
     if topk_weights.shape != topk_ids.shape:

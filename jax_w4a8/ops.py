@@ -316,11 +316,11 @@ def _raise_if_nan_code(codes, op, arg):
 
 def _scale_operand(op, arg, s, ue8m0, impl):
     if s.dtype in _SCALE_CODE_DTYPES:
-        if _is_concrete(s):  # also a constant captured by jit (a bitcast of it would be traced)
-            with jax.ensure_compile_time_eval():
-                _raise_if_nan_code(s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8),
-                                   op, arg)
-        return s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
+        with jax.ensure_compile_time_eval():  # a constant (also one captured by jit) stays concrete: checked now
+            codes = s if s.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(s, jnp.uint8)
+        if _is_concrete(codes):
+            _raise_if_nan_code(codes, op, arg)
+        return codes
     _check_dtype(op, arg, s, [jnp.float32, jnp.uint8, jnp.float8_e8m0fnu])
     return pack_ue8m0(s, arg=arg, impl=impl) if ue8m0 else s
 
