@@ -96,9 +96,10 @@ def _gather_body(x, ids, weights, params, *, experts_fn, num_experts, n):
     d = jax.lax.axis_index(EXPERT_AXIS)
     e_local = num_experts // n
     tokens, k = ids.shape
-    ok = (ids.reshape(-1) >= 0) & (ids.reshape(-1) < num_experts)  # before int32 (int64 ids must not wrap)
-    flat = ids.reshape(-1).astype(jnp.int32)
-    local = ok & ((flat // e_local) == d)
+    raw_ids = ids.reshape(-1)
+    flat = raw_ids.astype(jnp.int32)
+    # ids outside [0, E) are ignored, checked before int32 (int64 ids must not wrap)
+    local = (raw_ids >= 0) & (raw_ids < num_experts) & ((flat // e_local) == d)
     order, inverse, sizes = _sort_local(flat % e_local, local, e_local)
     y = experts_fn(params, map_rows(x, lambda a: jnp.take(a, order // k, axis=0)), sizes)
     y = jnp.take(y, inverse, axis=0).astype(F32)
