@@ -535,7 +535,8 @@ def plan_moe_up(m: int, e: int, inter: int, k: int, *, rows_per_expert: float | 
                                kernel="fused" if fused else "unfused")
 
 
-def moe_up_fuses(m: int, e: int, inter: int, k: int, *, num_sms: int | None = None) -> bool:
+def moe_up_fuses(m: int, e: int, inter: int, k: int, *, expected_rows: int | None = None,
+                 num_sms: int | None = None) -> bool:
     """Whether a model's ``moe_up="auto"`` (``DeepseekV3ForCausalLM.set_moe_up``) fuses the up-projection of M
     routed rows over E experts: where :func:`plan_moe_up` takes the fused kernel (up to ``FUSED_UP_MAX_ROWS``
     expected rows per expert) and there is at least one expected row per expert (M >= E), except where the
@@ -551,8 +552,15 @@ def moe_up_fuses(m: int, e: int, inter: int, k: int, *, num_sms: int | None = No
     0.945-0.948 | 0.991 / 0.943-0.944; batch 256 (16-token tiles) 1.004 | 1.006; prefill 1024 tokens 1.017-1.040 |
     1.031-1.034. The fifty-fifth session's UE8M0 run agreed (batch 16 / 32 / 64: 0.995 / 1.007 / 1.035-1.051).
 
-    Raises ValueError naming the size that is not an int in range (``m`` >= 0; ``e``, ``inter``, ``k`` >= 1), as
-    :func:`plan_moe_up`."""
+    ``expected_rows``: the routed rows to decide for where the M-row buffer also holds padding (default M). Under
+    expert parallelism each device's buffer has room for every row its experts could receive, about n times the
+    rows it expects from uniform routing (``models.deepseek.layers.MoE`` passes those: tokens x top-k / n).
+
+    Raises ValueError naming the size that is not an int in range (``m``, ``expected_rows`` >= 0; ``e``, ``inter``,
+    ``k`` >= 1), as :func:`plan_moe_up`."""
+    if expected_rows is not None:
+        _check_int("expected_rows", expected_rows, 0, "None or an int")
+        m = int(expected_rows)
     if plan_moe_up(m, e, inter, k, num_sms=num_sms).kernel != "fused" or m < e:
         return False
     plain = plan_grouped_gemm(m, e, 2 * inter, k, num_sms=num_sms)

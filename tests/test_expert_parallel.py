@@ -170,6 +170,31 @@ def test_shard_model_in_place(ckpt):
     np.testing.assert_allclose(_logits(model), ref, rtol=0, atol=2e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_auto_moe_up_decides_for_the_rows_each_device_expects(ckpt, dispatch, monkeypatch):
+    """Each device's buffer has room for all 18 x 2 routed rows, but its 8 / n experts expect 36 / n of them:
+    ``moe_up="auto"`` decides for those (each expert's expected rows as on one device), not for the buffer."""
+    from jax_w4a8 import tiling  # noqa: PLC0415
+    real, seen = tiling.moe_up_fuses, []
+
+    def spy(m, e, inter, k, **kw):
+        seen.append((m, e, kw.get("expected_rows")))
+        return real(m, e, inter, k, **kw)
+
+    monkeypatch.setattr(tiling, "moe_up_fuses", spy)
+    devices = jax.devices("cpu")
+    for n in (1, 4):
+        seen.clear()
+        model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.bfloat16, progress=False,
+                                mesh=sharding.make_mesh(n, devices) if n > 1 else None, dispatch=dispatch)
+        jax.clear_caches()  # the model's inner jit would otherwise reuse an earlier case's trace
+        jax.jit(lambda t: model(t)).lower(jnp.asarray(IDS))
+        rows = IDS.size * 2  # top-2
+        room = rows if dispatch == "gather" else n * -(-IDS.size // n) * 2  # all_to_all: n chunks of whole tokens
+        want = (rows, 8, None) if n == 1 else (room, 8 // n, rows // n)
+        assert seen == [want], (n, seen)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
 def test_two_gpus_equal_one(ckpt, dispatch):

@@ -154,6 +154,18 @@ def test_moe_up_fuses_from_one_row_per_expert_where_the_unfused_gemm_splits_k_or
     assert tiling.plan_moe_up(8 * 2049, 256, 2048, 7168, num_sms=SMS).kernel == "unfused" and not fuses(8 * 2049)
     with pytest.raises(ValueError, match="argument 'e'"):
         tiling.moe_up_fuses(16, 0, 2048, 7168)
+    # a padded buffer (expert parallelism: 4 devices' room on each) decides as its expected rows
+    for batch in (1, 16, 32, 64, 128, 256):
+        for n in (2, 4):
+            assert tiling.moe_up_fuses(8 * batch, 256 // n, 2048, 7168, expected_rows=8 * batch // n,
+                                       num_sms=SMS) == tiling.moe_up_fuses(8 * batch // n, 256 // n, 2048, 7168,
+                                                                           num_sms=SMS)
+    # batch 256 on 4 devices: 8192 rows of room over 64 experts is 128 per expert (unfused); 32 expected (fused)
+    assert not tiling.moe_up_fuses(8 * 256 * 4, 64, 2048, 7168, num_sms=SMS)
+    assert tiling.moe_up_fuses(8 * 256 * 4, 64, 2048, 7168, expected_rows=8 * 256, num_sms=SMS)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="argument 'expected_rows'"):
+            tiling.moe_up_fuses(16, 4, 2048, 7168, expected_rows=bad)
 
 
 def test_fused_plan_caps_tile_and_never_splits():

@@ -662,31 +662,32 @@ class Experts(nnx.Module):
         (float32 or UE8M0, as ``ue8m0``)."""
         return self.quant == "w4a8" and self.dtype == jnp.dtype(jnp.bfloat16)
 
-    def _fuses_up(self, rows: int, experts: int) -> bool:
+    def _fuses_up(self, rows: int, experts: int, expected_rows: int | None) -> bool:
         if self.moe_up == "unfused" or not self.can_fuse_up:
             return False
-        return self.moe_up == "fused" or tiling.moe_up_fuses(rows, experts, self.inter, self.hidden)
+        return self.moe_up == "fused" or tiling.moe_up_fuses(rows, experts, self.inter, self.hidden,
+                                                              expected_rows=expected_rows)
 
     def quantize_input(self, x):
         """x [R, D] -> (e4m3 [R, D], fp32 scales [R, D/128]) as the W4A8 gate+up product takes them
         (:func:`quantize_act_groups`; powers of two when ``ue8m0``)."""
         return quantize_act_groups(x.astype(self.dtype), self.ue8m0)
 
-    def _w4a8(self, x_sorted, group_sizes):
+    def _w4a8(self, x_sorted, group_sizes, expected_rows):
         w13, w13_s, w2, w2_s = (self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], self.down_proj[...],
                                 self.down_proj_scale_inv[...])
         if self.act_scale == "static":   # one scale per tensor: the max over the layer's (local) experts
             s13 = jnp.max(self.gate_up_proj_input_scale[...]).astype(F32)
             s2 = jnp.max(self.down_proj_input_scale[...]).astype(F32)
             x8 = qlib.quantize_fp8_tensor(x_sorted.astype(self.dtype), s13)
-            if self._fuses_up(x8.shape[0], w13.shape[0]):
+            if self._fuses_up(x8.shape[0], w13.shape[0], expected_rows):
                 h8, _ = ops.w4a8_moe_up(x8, s13, w13, w13_s, group_sizes, down_input_scale=s2, fused=True)
             else:
                 gu = ops.w4a8_grouped_gemm(x8, s13, w13, w13_s, group_sizes, out_dtype=self.dtype)
                 h8 = qlib.quantize_fp8_tensor(silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype), s2)
             return ops.w4a8_grouped_gemm(h8, s2, w2, w2_s, group_sizes, out_dtype=self.dtype)
         x8, xs = x_sorted if isinstance(x_sorted, tuple) else self.quantize_input(x_sorted)
-        if self._fuses_up(x8.shape[0], w13.shape[0]):   # w13's experts: this device's under expert parallelism
+        if self._fuses_up(x8.shape[0], w13.shape[0], expected_rows):  # w13: this device's experts under EP
             h8, hs = ops.w4a8_moe_up(x8, xs, w13, w13_s, group_sizes, ue8m0=self.ue8m0, fused=True)
         else:
             gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype)
@@ -694,11 +695,14 @@ class Experts(nnx.Module):
             h8, hs = ops.silu_mul_quantize_fp8_groups(gu, self.ue8m0)
         return ops.w4a8_grouped_gemm(h8, hs, w2, w2_s, group_sizes, out_dtype=self.dtype)
 
-    def __call__(self, x_sorted, group_sizes):
+    def __call__(self, x_sorted, group_sizes, *, expected_rows: int | None = None):
         """x_sorted [R, D] rows sorted by expert (or, when :attr:`quantizes_input`, the pair
-        :meth:`quantize_input` makes of them); group_sizes int32 [E] -> ``dtype`` [R, D]."""
+        :meth:`quantize_input` makes of them); group_sizes int32 [E] -> ``dtype`` [R, D].
+
+        ``expected_rows`` (static): the routed rows :attr:`moe_up` "auto" decides for where R counts padding too
+        (default R; :class:`MoE` passes them under expert parallelism)."""
         if self.quant == "w4a8":
-            return self._w4a8(x_sorted, group_sizes)
+            return self._w4a8(x_sorted, group_sizes, expected_rows)
         if isinstance(x_sorted, tuple):
             raise TypeError(f"Experts({self.quant!r}) takes float rows, not quantized (codes, scales)")
         x = x_sorted.astype(self.dtype)
@@ -766,8 +770,11 @@ class MoE(nnx.Module):
             y = moe.moe_apply(rows, ids, weights, self.experts, self.num_experts, out_dtype=F32)
         else:
             graphdef, state = nnx.split(self.experts)
+            # each device's buffer has room for all N * top_k rows; its experts expect 1 / n of them
+            expected = -(-ids.size // self.expert_parallel.size)
             y = expert_parallel.moe_apply_ep(
-                rows, ids, weights, state, lambda st, xs, gs: nnx.merge(graphdef, st)(xs, gs), self.num_experts,
+                rows, ids, weights, state,
+                lambda st, xs, gs: nnx.merge(graphdef, st)(xs, gs, expected_rows=expected), self.num_experts,
                 self.expert_parallel, out_dtype=F32)
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf).astype(F32)
