@@ -538,3 +538,71 @@ def test_eos_as_a_0d_array_and_out_of_range(fp32_model):
     for bad in (float(eos) + 0.7, np.float32(eos), jnp.float32(eos), [eos + 0.5], True):  # never truncated
         with pytest.raises(TypeError, match="eos_token_id"):
             generate(fp32_model, prompts, 6, eos_token_id=bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# review: top_k beyond int32, arguments checked before anything runs, greedy ignores the filters
+# ----------------------------------------------------------------------------------------------
+def test_top_k_beyond_the_vocabulary_keeps_every_token(fp32_model, rng):
+    """top_k >= V keeps every token (transformers clamps it to V), however large: a NumPy int64 2**33 was wrapped to
+    int32 (0, clipped to 1: greedy) and a Python int >= 2**31 raised OverflowError."""
+    v = 11
+    x = rng.normal(size=(3, v)).astype(np.float32)
+    for k in (v, v + 1, 2**31, 2**40, np.int64(2**32 + 1), np.int64(2**33)):
+        np.testing.assert_array_equal(np.asarray(filter_logits(jnp.asarray(x), top_k=k)), x, err_msg=repr(k))
+    # sampling through generate(): the same draws as with no top-k at all
+    prompts = [[0] + rng.integers(1, 256, 2).tolist(), [0] + rng.integers(1, 256, 6).tolist()]
+    kw = dict(temperature=1.0, seed=int(rng.integers(2**31)))
+    want = generate(fp32_model, prompts, 8, **kw)
+    for k in (256, 2**40, np.int64(2**33), np.int64(2**32 + 1)):
+        assert generate(fp32_model, prompts, 8, top_k=k, **kw) == want, k
+
+
+def test_arguments_are_checked_before_anything_runs(fp32_model, monkeypatch):
+    """generate() promises ValueError / TypeError naming the argument before anything compiles: the model's
+    jitted pieces (kv_b_proj's absorbed split included) are made to fail here, so a late check shows up as that
+    failure. A float max_new_tokens ran the prefill and then failed in range(); bools were taken as ints."""
+    import importlib
+
+    G = importlib.import_module("jax_w4a8.models.deepseek.generate")
+
+    def ran(*a, **k):
+        raise AssertionError("the model ran before the arguments were checked")
+
+    for name in ("_absorb", "_prefill", "_decode"):
+        monkeypatch.setattr(G, name, ran)
+    bad = [dict(max_new_tokens=2.5), dict(max_new_tokens=3.0), dict(max_new_tokens=None), dict(max_new_tokens="3"),
+           dict(max_new_tokens=True), dict(max_new_tokens=-1), dict(temperature=float("nan")), dict(top_k=0),
+           dict(top_p=2.0), dict(seed=-1), dict(eos_token_id=1.5), dict(pad_token_id=1.5), dict(pad_token_id=None),
+           dict(pad_token_id=256), dict(prompts=[[0, 256]]), dict(stream=[])]
+    for kw in bad:
+        kw = dict(dict(prompts=[[0, 5, 77]], max_new_tokens=4), **kw)
+        what = next(k for k in kw if k not in ("prompts", "max_new_tokens")) if len(kw) > 2 else None
+        what = what or ("max_new_tokens" if kw["prompts"] == [[0, 5, 77]] else "prompt")
+        with pytest.raises((ValueError, TypeError), match=what):
+            generate(fp32_model, **kw)
+    monkeypatch.undo()
+    # integers of any kind still work, an iterator of prompts too (read once)
+    want = generate(fp32_model, [[0, 5, 77]], 3)
+    assert generate(fp32_model, iter([[0, 5, 77]]), np.int64(3), pad_token_id=np.int32(2)) == want
+
+
+def test_greedy_ignores_top_k_top_p_without_compiling(fp32_model):
+    """top_k / top_p play no part in greedy decoding: setting them (the CLI passes --top-k / --top-p through
+    whatever the temperature) must neither change the tokens nor compile another prefill and decode step."""
+    prompts = [[0, 5, 77], [0, 1, 2, 3, 4, 5, 6]]
+    want = generate(fp32_model, prompts, 4)
+    with CompileCount() as cc:
+        got = generate(fp32_model, prompts, 4, top_k=5, top_p=0.5)
+    assert got == want and cc.n == 0
+
+
+def test_a_batch_inside_the_prompt_list_is_refused(fp32_model, rng):
+    """Each prompt of a list is one sequence of ids: a [B, T] array (or nested lists) inside the list was flattened,
+    B prompts silently run as one prompt of B * T tokens. It is an error naming the prompt, as a flat list is; the
+    [B, T] array itself is the batch."""
+    batch = np.concatenate([np.zeros((2, 1), np.int64), rng.integers(1, 256, (2, 4))], axis=1)
+    for bad in ([batch], [batch.tolist()], [[0, 5], batch[:1]]):
+        with pytest.raises(ValueError, match="prompt"):
+            generate(fp32_model, bad, 2)
+    assert generate(fp32_model, batch, 2) == generate(fp32_model, batch.tolist(), 2)

@@ -166,6 +166,8 @@ def filter_logits(logits, top_k=None, top_p=None):
     v = logits.shape[-1]
     srt = -jnp.sort(-logits, axis=-1)                                       # descending
     if top_k is not None:
+        if isinstance(top_k, (int, np.integer)):   # clipped on the host: as int32, 2**33 would wrap to 0
+            top_k = min(int(top_k), v)
         k = jnp.clip(jnp.asarray(top_k, jnp.int32), 1, v)
         kth = jax.lax.dynamic_index_in_dim(srt, k - 1, axis=-1, keepdims=True)   # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -445,7 +447,10 @@ def _as_rows(prompts, vocab: int) -> list[list[int]]:
             if a.ndim == 0:      # [0, 5, 77] is one prompt written flat, not three one-token prompts
                 raise ValueError(f"generate: prompts must be a [B, T] array or a list of token lists; prompt {i} "
                                  f"is the single id {r!r} (one prompt is [[...]])")
-            rows.append(list(map(int, a.reshape(-1))))
+            if a.ndim > 1:       # a [B, T] batch inside the list: flattened, B prompts would run as one
+                raise ValueError(f"generate: prompts must be a [B, T] array or a list of token lists; prompt {i} "
+                                 f"has shape {a.shape} (a [B, T] array is passed as prompts itself)")
+            rows.append(list(map(int, a)))
     if not rows:
         raise ValueError("generate: no prompts")
     for i, r in enumerate(rows):
@@ -455,6 +460,30 @@ def _as_rows(prompts, vocab: int) -> list[list[int]]:
         if bad:
             raise ValueError(f"generate: prompt {i} holds token id {bad[0]} outside [0, {vocab})")
     return rows
+
+
+def _check_args(vocab: int, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, stream,
+                pad_token_id):
+    """:func:`generate`'s arguments checked, before anything compiles (ValueError / TypeError naming the bad
+    one): ``(rows, max_new_tokens, pad_token_id, key, eos ids)``."""
+    rows = _as_rows(prompts, vocab)
+    n = _integer(max_new_tokens)          # 2.5 is no count, nor True: neither is truncated
+    if n is None or n < 0:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if not (isinstance(temperature, (int, float, np.integer, np.floating)) and math.isfinite(temperature)
+            and temperature >= 0):
+        raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
+        raise ValueError(f"generate: top_k must be an int >= 1 or None, got {top_k!r}")
+    if top_p is not None and not (isinstance(top_p, (int, float, np.integer, np.floating)) and 0 < top_p <= 1):
+        raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")  # NaN fails the test
+    pad = _integer(pad_token_id)
+    if pad is None or not 0 <= pad < vocab:
+        raise ValueError(f"generate: pad_token_id must be an int in [0, {vocab}), got {pad_token_id!r}")
+    if stream is not None and not callable(stream):
+        raise TypeError(f"generate: stream must be a function stream(tokens, active) or None, got {stream!r}")
+    eos = _eos_tuple(eos_token_id)
+    return rows, n, pad, seed_key(seed), eos
 
 
 def _eos_tuple(eos) -> tuple:
@@ -531,17 +560,20 @@ class Generator:
 
     @staticmethod
     def mode(temperature=0.0, top_k=None, top_p=None, check_finite=False) -> _Mode:
-        """The static sampling configuration (one compilation each): greedy or not, which filters are on,
-        whether the finiteness reduction runs."""
-        return _Mode(float(temperature) == 0.0, top_k is not None, top_p is not None, bool(check_finite))
+        """The static sampling configuration (one compilation each): greedy or not, which filters are on (none
+        when greedy, which ignores them), whether the finiteness reduction runs."""
+        greedy = float(temperature) == 0.0
+        return _Mode(greedy, top_k is not None and not greedy, top_p is not None and not greedy, bool(check_finite))
 
     @staticmethod
     def sampling(temperature=0.0, top_k=None, top_p=None, eos_token_id=None):
         """The traced sampling parameters (changing them compiles nothing): temperature, top_k, top_p and the
-        EOS ids (int32, padded with -1 to a multiple of 4)."""
+        EOS ids (int32, padded with -1 to a multiple of 4). A top_k past int32 is cut to its largest value
+        (:func:`filter_logits` clips it to the vocabulary), never wrapped."""
         eos = _eos_tuple(eos_token_id)
         n = max(4, -(-len(eos) // 4) * 4)
-        return (jnp.asarray(max(float(temperature), 1e-6), F32), jnp.asarray(0 if top_k is None else top_k, jnp.int32),
+        top_k = 0 if top_k is None else min(int(top_k), 2**31 - 1)
+        return (jnp.asarray(max(float(temperature), 1e-6), F32), jnp.asarray(top_k, jnp.int32),
                 jnp.asarray(1.0 if top_p is None else top_p, F32),
                 jnp.asarray(list(eos) + [-1] * (n - len(eos)), jnp.int32))
 
@@ -570,21 +602,9 @@ class Generator:
                  stream: Callable[[np.ndarray, np.ndarray], None] | None = None, check_finite: bool = False,
                  pad_token_id: int = 0, sync_every: int = 16, return_stats: bool = False):
         """See :func:`generate`."""
-        vocab = self.cfg.vocab_size
-        rows = _as_rows(prompts, vocab)
-        if max_new_tokens < 0:
-            raise ValueError(f"generate: max_new_tokens must be >= 0, got {max_new_tokens}")
-        if not (isinstance(temperature, (int, float, np.integer, np.floating)) and math.isfinite(temperature)
-                and temperature >= 0):
-            raise ValueError(f"generate: temperature must be a finite number >= 0, got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or top_k < 1):
-            raise ValueError(f"generate: top_k must be an int >= 1 or None, got {top_k!r}")
-        if top_p is not None and not (isinstance(top_p, (int, float, np.integer, np.floating)) and 0 < top_p <= 1):
-            raise ValueError(f"generate: top_p must be in (0, 1] or None, got {top_p!r}")  # NaN fails the test
-        if not 0 <= pad_token_id < vocab:
-            raise ValueError(f"generate: pad_token_id {pad_token_id} outside [0, {vocab})")
-        key = seed_key(seed)
-        eos = _eos_tuple(eos_token_id)                # raises before anything compiles
+        rows, max_new_tokens, pad_token_id, key, eos = _check_args(
+            self.cfg.vocab_size, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed, stream,
+            pad_token_id)
         b = len(rows)
         lens = [len(r) for r in rows]
         positions = max(lens) + max(max_new_tokens, 1) - 1      # the last new token is never fed
@@ -690,13 +710,15 @@ def generate(model: DeepseekV3ForCausalLM, prompts, max_new_tokens: int, *, temp
       EOS ends with that EOS id; every id is in ``[0, vocab_size)``. With ``return_stats``:
       ``(tokens, GenerateStats)``.
     Raises:
-      ValueError (before anything compiles): a bad setting (temperature, top_k, top_p, pad_token_id, a seed
-      outside ``[0, 2**63)``, an ``eos_token_id`` outside int32), an empty prompt, an id outside the
-      vocabulary, or a flat list of ids (``[0, 5, 77]``: one prompt is ``[[0, 5, 77]]``). TypeError:
-      non-integer token ids. Warns when the prompt and new tokens need more than
+      ValueError (before anything compiles): a bad setting (max_new_tokens not an int >= 0, temperature,
+      top_k, top_p, pad_token_id, a seed outside ``[0, 2**63)``, an ``eos_token_id`` outside int32), an empty
+      prompt, an id outside the vocabulary, or a flat list of ids (``[0, 5, 77]``: one prompt is
+      ``[[0, 5, 77]]``). TypeError: non-integer token ids or EOS ids, a ``stream`` that is not callable. Warns when the prompt and new tokens need more than
       ``max_position_embeddings`` positions (``len(prompt) + max_new_tokens - 1``).
     """
+    rows = _check_args(model.cfg.vocab_size, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
+                       stream, pad_token_id)[0]   # before the Generator, which compiles (kv_b_proj's absorbed split)
     gen = Generator(model, cache_dtype=cache_dtype)
-    return gen.generate(prompts, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+    return gen.generate(rows, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                         eos_token_id=eos_token_id, seed=seed, stream=stream, check_finite=check_finite,
                         pad_token_id=pad_token_id, return_stats=return_stats)
