@@ -389,13 +389,18 @@ def test_bad_arguments_and_files(tmp_path, fp32_ckpt):
         with open(tmp_path / "empty" / "config.json", "w") as f:
             json.dump(CK, f)
         load_checkpoint(str(tmp_path / "empty"), progress=False)
-    # a shard holding a tensor that the index places in the other shard
+    # a shard holding a tensor that the index does not list (a copy of one it places in the other shard is
+    # ignored: test_the_index_picks_between_copies_of_a_tensor)
     _rewrite(path, w, n_shards=2)
     first = os.path.join(path, "model-00001-of-00002.safetensors")
     second = os.path.join(path, "model-00002-of-00002.safetensors")
     stray = _header_keys(first)[0]
+    save_file({k: w[k] for k in _header_keys(first) if k != stray}, first)
     save_file({stray: w[stray], **{k: w[k] for k in _header_keys(second)}}, second)
-    with pytest.raises(CheckpointError, match=f"'{stray}' in .*model-00002-of-00002.safetensors.*index"):
+    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    del index["weight_map"][stray]
+    json.dump(index, open(os.path.join(path, "model.safetensors.index.json"), "w"))
+    with pytest.raises(CheckpointError, match=f"'{stray}' in .*model-00002-of-00002.safetensors.*not listed in the index"):
         load_checkpoint(path, progress=False)
     # an index entry whose file lacks the tensor
     _rewrite(path, w, n_shards=2)
@@ -486,3 +491,89 @@ def test_layers_past_the_mtp_layers_are_unexpected(tmp_path, rng):
     with pytest.raises(CheckpointError, match=f"unexpected tensor 'model.layers.{last + 1}\\."):
         load_checkpoint(path, dtype=jnp.float32, progress=False)
 
+
+
+def test_a_file_that_is_not_safetensors_is_named(tmp_path, fp32_ckpt):
+    """A Git LFS pointer (a repository cloned without ``git lfs pull``: the shard is ~130 bytes of text) or a
+    truncated header is a CheckpointError naming the file (the pointer's first 8 bytes, read as the header length,
+    once asked for exabytes: a bare MemoryError; a cut header a JSONDecodeError naming no file)."""
+    path, cfg, w = fp32_ckpt
+    _rewrite(path, w, n_shards=2)
+    shard = os.path.join(path, "model-00002-of-00002.safetensors")
+    with open(shard, "w") as f:
+        f.write("version https://git-lfs.github.com/spec/v1\noid sha256:" + "0" * 64 + "\nsize 123456\n")
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors.*not a safetensors file"):
+        load_checkpoint(path, progress=False)
+    with open(shard, "wb") as f:
+        f.write((40).to_bytes(8, "little") + b'{"model.norm.weight": {"dtype": "F32", "sh')
+    with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors.*not a safetensors file"):
+        load_checkpoint(path, progress=False)
+
+
+def test_index_entries_of_skipped_layers_need_no_data(tmp_path, rng):
+    """The index may list multi-token-prediction tensors that no shard holds: TensorRT-LLM's W4AFP8 producer
+    (``quantize_mixed_precision_moe.py``, SPEC 6) maps layer ``num_hidden_layers`` into the last shard but saves
+    only layers below it (or, with one part, into a shard it never writes), and users drop the MTP-only shards.
+    Those tensors are never loaded, so the model loads (it once failed on the index); a needed tensor that the
+    index misplaces is still an error."""
+    cfg = DeepseekConfig.from_dict(CK)
+    w = random_weights(cfg, rng)
+    path = str(tmp_path / "ckpt")
+    write_checkpoint(path, CK, w, n_shards=2)
+    ids = np.arange(10).reshape(2, 5)
+    ref = logits(load_checkpoint(path, progress=False), ids)
+    index_file = os.path.join(path, "model.safetensors.index.json")
+    index = json.load(open(index_file))
+    mtp = f"model.layers.{cfg.num_hidden_layers}"
+    index["weight_map"][mtp + ".mlp.experts.0.gate_proj.weight"] = "model-00002-of-00002.safetensors"
+    index["weight_map"][mtp + ".eh_proj.weight"] = "model-00003-of-00003.safetensors"      # no such file
+    json.dump(index, open(index_file, "w"))
+    np.testing.assert_array_equal(logits(load_checkpoint(path, progress=False), ids), ref)
+    index["weight_map"]["model.layers.0.self_attn.o_proj.weight"] = "model-00003-of-00003.safetensors"
+    json.dump(index, open(index_file, "w"))
+    with pytest.raises(FileNotFoundError, match="model-00003-of-00003.safetensors"):
+        load_checkpoint(path, progress=False)
+
+
+@pytest.mark.parametrize("quantize,act_scale", [(None, "static"), ("fp8", "static"), (None, "Static"),
+                                                ("fp8", "per_tensor")])
+def test_act_scale_is_never_dropped_silently(fp32_ckpt, quantize, act_scale):
+    """``act_scale`` only exists for W4A8 experts: 'static' on a model without them, or a misspelt value, is a
+    ValueError (both were dropped silently unless the experts were W4A8: the model ran dynamic scales)."""
+    path, _, _ = fp32_ckpt
+    with pytest.raises(ValueError, match="act_scale"):
+        load_checkpoint(path, quantize=quantize, act_scale=act_scale, progress=False)
+
+
+def test_the_index_picks_between_copies_of_a_tensor(tmp_path, fp32_ckpt, rng):
+    """TensorRT-LLM's W4AFP8 producer writes the input_scale tensors into its first shard *and* copies their
+    calibration file beside it, and its index names that file. The index says where each tensor is: the copy it
+    names is loaded (as transformers and sglang load such a checkpoint; it once failed). A tensor that the index
+    does not list at all is still an error."""
+    path, cfg, w = fp32_ckpt
+    ckpt = w4afp8_weights(cfg, w, rng)
+    scales = {k: v for k, v in ckpt.items() if k.endswith(".input_scale")}
+    out = str(tmp_path / "w4afp8")
+    write_checkpoint(out, CK, {k: v for k, v in ckpt.items() if k not in scales}, n_shards=2)
+    first = os.path.join(out, "model-00001-of-00002.safetensors")
+    head = checkpoint.SafetensorsFile(first)
+    stale = {k: (v * 3).astype(np.float32) for k, v in scales.items()}      # another value: must not be loaded
+    save_file({**{k: head.read_tensor(k) for k in head.tensors}, **stale}, first)
+    save_file(scales, os.path.join(out, "input_scales.safetensors"))
+    index_file = os.path.join(out, "model.safetensors.index.json")
+    index = json.load(open(index_file))
+    index["weight_map"].update({k: "input_scales.safetensors" for k in scales})
+    json.dump(index, open(index_file, "w"))
+    model = load_checkpoint(out, act_scale="static", progress=False)
+    ex = model.model.layers[1].mlp.experts
+    want = [[scales[f"model.layers.1.mlp.experts.{j}.{n}.input_scale"][0] for n in ("w1", "w3")]
+            for j in range(cfg.n_routed_experts)]
+    np.testing.assert_array_equal(np.asarray(ex.gate_up_proj_input_scale[...]), want)
+    np.testing.assert_array_equal(np.asarray(ex.down_proj_input_scale[...]),
+                                  [scales[f"model.layers.1.mlp.experts.{j}.w2.input_scale"][0]
+                                   for j in range(cfg.n_routed_experts)])
+    key = "model.layers.1.mlp.experts.3.w2.input_scale"
+    del index["weight_map"][key]                                            # in two files, listed for neither
+    json.dump(index, open(index_file, "w"))
+    with pytest.raises(CheckpointError, match=f"'{key}' in .*is not listed in the index"):
+        load_checkpoint(out, progress=False)

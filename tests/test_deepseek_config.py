@@ -169,3 +169,14 @@ def test_quant_config():
         QuantConfig(experts="int4")
     with pytest.raises(ValueError, match="input_scales"):
         QuantConfig(experts="fp8", input_scales=True)
+
+
+@pytest.mark.parametrize("field", ["n_group", "topk_group", "num_experts_per_tok", "first_k_dense_replace",
+                                   "num_nextn_predict_layers", "v_head_dim", "n_shared_experts", "rms_norm_eps",
+                                   "routed_scaling_factor"])
+def test_null_fields_are_named(field):
+    """A ``null`` in config.json for a field that has no 'absent' meaning is a ValueError naming the field (it was a
+    TypeError naming nothing, here or while the model was built or loaded). ``q_lora_rank: null`` stays valid."""
+    with pytest.raises(ValueError, match=field):
+        DeepseekConfig.from_dict({**HUB_V3, field: None})
+    assert DeepseekConfig.from_dict({**HUB_V3, "q_lora_rank": None}).q_lora_rank is None

@@ -16,7 +16,8 @@ The ``num_nextn_predict_layers`` multi-token-prediction layers after the last la
 whose checkpoint head differs loads it untied, with a warning, as transformers does); deeper layers are
 unexpected tensors. Every other tensor must be consumed: the headers of all files are checked *before* any data is
 read, and a missing, unexpected, mis-shaped or wrongly typed tensor is a ``CheckpointError`` naming the
-tensor and the file.
+tensor and the file. A sharded checkpoint's index says which file each tensor is read from (another copy
+elsewhere is ignored; a skipped tensor it lists need not exist).
 
 Memory: tensors are read one at a time from the files (``read_tensor``) and converted as soon as all the
 pieces of one weight are in (a weight and its ``weight_scale_inv`` may sit in different shards; the
@@ -89,11 +90,20 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
+            # a Git LFS pointer (a clone without `git lfs pull`) reads as a header length of exabytes
+            try:
+                if n > size - 8:
+                    raise ValueError(f"its header length {n} passes the file's {size} bytes")
+                header = json.loads(f.read(n))
+                if not isinstance(header, dict):
+                    raise ValueError("its header is not a JSON object")
+            except ValueError as e:     # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+                raise CheckpointError(f"{path} is not a safetensors file ({e}); a Git LFS pointer whose weights "
+                                      "were never fetched, or a truncated download?") from None
         self.metadata = header.pop("__metadata__", None)
-        size = os.path.getsize(path)
         self.tensors: dict[str, TensorInfo] = {}
         for name, h in header.items():
             dt, shape, (b, e) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
@@ -115,21 +125,28 @@ class SafetensorsFile:
         return out
 
 
-def _open_checkpoint(path: str) -> list[SafetensorsFile]:
+def _open_checkpoint(path: str, cfg: DeepseekConfig) -> list[SafetensorsFile]:
+    """The checkpoint's files, each holding the tensors to read from it. With an index, that is the tensors the
+    index maps to it: a copy elsewhere is ignored, a tensor the index does not list is an error. Entries for
+    tensors that are never loaded (:func:`_never_loaded`) are not checked, and a file that only they name is not
+    opened (TensorRT-LLM's W4AFP8 producer indexes layer ``num_hidden_layers`` but does not write it)."""
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
         with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
+            weight_map = {n: fn for n, fn in json.load(f)["weight_map"].items() if not _never_loaded(n, cfg)}
         files = {fn: SafetensorsFile(os.path.join(path, fn)) for fn in sorted(set(weight_map.values()))}
         for name, fn in weight_map.items():
             if name not in files[fn].tensors:
                 raise CheckpointError(f"tensor '{name}': the index maps it to {files[fn].path}, whose header lacks it")
         for fn, sf in files.items():
-            for name in sf.tensors:
+            for name in list(sf.tensors):
                 if weight_map.get(name) != fn:
-                    raise CheckpointError(f"tensor '{name}' in {sf.path} is not listed for that file in the index "
-                                          f"(index: {weight_map.get(name)})")
+                    if name not in weight_map and not _never_loaded(name, cfg):
+                        raise CheckpointError(f"tensor '{name}' in {sf.path} is not listed in the index")
+                    # never loaded, or another copy (TensorRT-LLM's W4AFP8 producer writes the input scales into
+                    # its first shard and into the file its index names): the index names the copy to read
+                    del sf.tensors[name]
         return list(files.values())
     if os.path.exists(single):
         return [SafetensorsFile(single)]
@@ -443,14 +460,18 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_W = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+\.gate_proj\.weight|gate_up_proj)$")
 
 
-def _skipped(name: str, cfg: DeepseekConfig) -> bool:
-    """The multi-token-prediction layers (``num_hidden_layers`` .. ``+ num_nextn_predict_layers - 1``), rotary
-    buffers, and a tied ``lm_head.weight`` equal to the embedding are not loaded. Layers past those are not
-    skipped: they are unexpected tensors (a config with fewer layers than its checkpoint)."""
+def _never_loaded(name: str, cfg: DeepseekConfig) -> bool:
+    """The multi-token-prediction layers (``num_hidden_layers`` .. ``+ num_nextn_predict_layers - 1``) and rotary
+    buffers. Layers past those are not skipped: they are unexpected tensors (a config with fewer layers than its
+    checkpoint)."""
     m = _LAYER.match(name)
     mtp = bool(m and cfg.num_hidden_layers <= int(m.group(1)) < cfg.num_hidden_layers + cfg.num_nextn_predict_layers)
-    return (mtp or name.endswith("rotary_emb.inv_freq")
-            or (cfg.tie_word_embeddings and name == "lm_head.weight"))
+    return mtp or name.endswith("rotary_emb.inv_freq")
+
+
+def _skipped(name: str, cfg: DeepseekConfig) -> bool:
+    """:func:`_never_loaded` tensors, and a tied ``lm_head.weight`` equal to the embedding, are not loaded."""
+    return _never_loaded(name, cfg) or (cfg.tie_word_embeddings and name == "lm_head.weight")
 
 
 def _untie_a_different_lm_head(cfg: DeepseekConfig, files, infos: dict[str, TensorInfo]) -> DeepseekConfig:
@@ -483,6 +504,8 @@ def resolve_quant_config(cfg: DeepseekConfig, infos: dict[str, TensorInfo], quan
     """
     if quantize not in (None, "fp8", "w4a8"):
         raise ValueError(f"load_checkpoint: quantize must be None, 'fp8' or 'w4a8', got {quantize!r}")
+    if act_scale not in ("dynamic", "static"):
+        raise ValueError(f"load_checkpoint: act_scale must be 'dynamic' or 'static', got {act_scale!r}")
     live = {n: t for n, t in infos.items() if not _skipped(n, cfg)}
     src_linear = "fp8" if any(t.dtype == "F8_E4M3" and ".mlp.experts." not in n for n, t in live.items()) else "none"
     expert_dtypes = {t.dtype for n, t in live.items() if _EXPERT_W.match(n)}
@@ -507,6 +530,9 @@ def resolve_quant_config(cfg: DeepseekConfig, infos: dict[str, TensorInfo], quan
                       "is not a multiple of 128: routed experts stay unquantized (bf16) instead of W4A8",
                       stacklevel=3)
         experts = "none"
+    if act_scale == "static" and experts != "w4a8":
+        raise ValueError(f"load_checkpoint: act_scale='static' is for W4A8 routed experts (a W4AFP8 checkpoint's "
+                         f"input_scale); this model's routed experts are {experts!r}: use 'dynamic'")
     input_scales = experts == "w4a8" and src_experts == "w4a8" and any(n.endswith(".input_scale") for n in live)
     return QuantConfig(linear=linear, experts=experts, ue8m0=bool(ue8m0),
                        act_scale=act_scale if experts == "w4a8" else "dynamic", input_scales=input_scales)
@@ -545,7 +571,7 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
     cfg = DeepseekConfig.from_dict(raw_cfg)
     if mesh is not None:
         parallel.check_divisible(cfg.n_routed_experts, mesh)
-    files = _open_checkpoint(path)
+    files = _open_checkpoint(path, cfg)
     infos: dict[str, TensorInfo] = {}
     for sf in files:
         for name, info in sf.tensors.items():

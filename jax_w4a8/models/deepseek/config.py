@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 import warnings
 from typing import Any
@@ -30,6 +31,11 @@ from typing import Any
 __all__ = ["RopeParameters", "DeepseekConfig", "QuantConfig"]
 
 _ALIASES = {"num_local_experts": "n_routed_experts", "num_mtp_layers": "num_nextn_predict_layers"}
+_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+               "num_attention_heads", "num_key_value_heads", "n_shared_experts", "n_routed_experts", "kv_lora_rank",
+               "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "num_experts_per_tok",
+               "first_k_dense_replace", "max_position_embeddings", "num_nextn_predict_layers")
+_FLOAT_FIELDS = ("routed_scaling_factor", "rms_norm_eps")
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -127,6 +133,10 @@ class DeepseekConfig:
             if not cond:
                 raise ValueError(f"DeepseekConfig: {msg}")
 
+        for f in _INT_FIELDS + _FLOAT_FIELDS:    # a config.json null: name it (not a TypeError further on)
+            v = getattr(self, f)
+            need(isinstance(v, numbers.Integral if f in _INT_FIELDS else numbers.Real) and not isinstance(v, bool),
+                 f"{f} must be {'an integer' if f in _INT_FIELDS else 'a number'}, got {v!r}")
         need(self.hidden_act == "silu", f"hidden_act must be 'silu', got {self.hidden_act!r}")
         need(self.num_key_value_heads == self.num_attention_heads,
              f"num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads "
