@@ -73,11 +73,12 @@ def bench_alternating(fns, rounds=5, min_program_s=5e-3, max_n=200):
 
 def _device_loop(fn, arg_sets, n, min_program_s, max_n):
     """(run, n): ``run()`` times one launch of a jitted program of ``n`` chained calls of ``fn`` over ``arg_sets``
-    (seconds for all n), compiled and warmed; ``n=None`` picks it (10, raised up to ``max_n`` until one program runs
-    at least ``min_program_s``)."""
+    (seconds for all n), compiled and warmed; ``n=None`` picks it (10 or one call per input set if more, raised up
+    to ``max_n`` until one program runs at least ``min_program_s``; never below the number of sets, so that every
+    set is used)."""
     flat = [a for s in arg_sets for a in s]
     adaptive = n is None
-    n = 10 if adaptive else n
+    n = max(10, len(arg_sets)) if adaptive else n
     many = jax.jit(_unrolled(fn, len(arg_sets), n))
     jax.block_until_ready(many(*flat))
     if adaptive:
@@ -85,7 +86,8 @@ def _device_loop(fn, arg_sets, n, min_program_s, max_n):
         jax.block_until_ready(many(*flat))
         once = time.perf_counter() - t0
         if once < min_program_s:
-            n = min(max_n, -(-int(n * min_program_s / max(once, 1e-6)) // len(arg_sets)) * len(arg_sets))
+            n = max(len(arg_sets), min(max_n, -(-int(n * min_program_s / max(once, 1e-6)) // len(arg_sets))
+                                       * len(arg_sets)))
             many = jax.jit(_unrolled(fn, len(arg_sets), n))
             jax.block_until_ready(many(*flat))
 

@@ -50,6 +50,23 @@ def sizes_for(m, routing, rng):
     return rng.multinomial(m, p).astype(np.int32)
 
 
+def experts_with_rows(sizes):
+    """How many experts receive rows: the kernels map rows to experts, so only these experts' weights are read."""
+    return int(np.count_nonzero(np.asarray(sizes) > 0))
+
+
+def int4_weight_bytes(sizes, n, k):
+    """The int4 weight bytes a call must read: N*K/2 for each expert that receives rows (group scales excluded), as
+    BENCHMARKS.md's decode floor (32 x N x K / 2, rows on every expert). At 64 rows over 32 experts, multinomial
+    routing leaves about 5 experts without rows; counting their bytes too overstated GB/s by up to 1.23x."""
+    return experts_with_rows(sizes) * n * k // 2
+
+
+def read_floor_us(r, copy_bw):
+    """Row ``r``'s int4 weight read floor at copy bandwidth, microseconds (rows of older JSON: every expert)."""
+    return r.get("experts_with_rows", E) * r["N"] * r["K"] / 2 / copy_bw * 1e6
+
+
 def run(args, on_row=None):
     """Measures every case; ``on_row(payload)`` after each row with the rows so far (``complete`` False), so that a
     run stopped by a time limit still leaves its measured rows."""
@@ -97,9 +114,9 @@ def run(args, on_row=None):
             got = ours(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
             simple = ops.w4a8_grouped_gemm(x8, xs, w4[0], ws[0], sizes, tile_tokens=0).astype(jnp.float32)
             r["rel_err_vs_simple"] = float(jnp.linalg.norm(got - simple) / jnp.linalg.norm(simple))
-            flops, wbytes = 2 * m * n * k, E * n * k // 2
+            flops, wbytes = 2 * m * n * k, int4_weight_bytes(sizes, n, k)
             r.update(ours_us=t * 1e6, TFLOPs=flops / t / 1e12, weight_GBps=wbytes / t / 1e9,
-                     frac_copy_bw=wbytes / t / bw)
+                     frac_copy_bw=wbytes / t / bw, experts_with_rows=experts_with_rows(sizes))
             # the tile heuristic's alternatives, same data (see jax_w4a8.tiling); at an 8-token tile always 16
             for alt in sorted(set(args.tiles) | ({16} if plan.tile_tokens == 8 else set())):
                 if alt != plan.tile_tokens:
@@ -277,8 +294,13 @@ def report(payload, out):
             + (f" (stopped early: {len(rows)} rows measured)" if payload.get("complete") is False else "")
             + f"; copy bandwidth "
             f"{payload['copy_bw'] / 1e12:.2f} TB/s. 32 experts; activation scales "
-            f"{X_SCALES.get(payload.get('x_scales', 'f32'), payload.get('x_scales'))}; `vs X` is X's time over ours (higher is better for "
-            "us); plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`, or `cutlass` (int4 weights "
+            f"{X_SCALES.get(payload.get('x_scales', 'f32'), payload.get('x_scales'))}; weight GB/s and % copy BW: the "
+            "int4 weight bytes (N*K/2 per expert"
+            + (" that receives rows, its count in the JSON's `experts_with_rows`"
+               if all("experts_with_rows" in r for r in rows) else ", all 32 experts")
+            + "; group scales excluded) over our time, against the copy bandwidth (bytes read + written); TFLOP/s: "
+            "2*M*N*K over the routed rows; `vs X` is X's time over ours (higher is better for us); "
+            "plan = token tile / split-K (/ f16 MMA) from `jax_w4a8.tiling`, or `cutlass` (int4 weights "
             "converted to e4m3 once per call, then CUTLASS's grouped FP8 GEMM; the time includes the conversion); "
             "other token tiles: the same call forced to another tile (the heuristic's alternatives); other MMA: the "
             "same call with the other tensor-core operand format (`mma=`, same token tile, this library's wgmma tiles); other kernel: the "
@@ -321,7 +343,7 @@ def plot(payload, path):
             if pts:
                 ax.plot(*zip(*pts), ".--", label=p)
         n, k = SHAPES[shape]
-        ax.plot(ms, [E * n * k / 2 / payload["copy_bw"] * 1e6] * len(ms), "k:", label="int4 weight read floor")
+        ax.plot(ms, [read_floor_us(r, payload["copy_bw"]) for r in rows], "k:", label="int4 weight read floor")
         ax.plot(ms, [2 * m * n * k / FP8_PEAK * 1e6 for m in ms], "k-.", label="fp8 compute floor (datasheet)")
         ax.set(xscale="log", yscale="log", xlabel="M (routed rows)", ylabel="us per call",
                title=f"{shape}: N={n} K={k}, 32 experts")

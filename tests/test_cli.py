@@ -316,6 +316,7 @@ def test_bench_fp8_einsum_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypatc
     monkeypatch.setattr(bench, "LINEARS", {"q_a": (256, 384)})
     monkeypatch.setattr(bench, "MS_QUICK", [1, 16])
     monkeypatch.setattr(bench, "PER_HEAD", {})
+    monkeypatch.setattr(bench, "ROTATE_BYTES", 0)  # two weight sets, one quantizer input: quick on the CPU
     monkeypatch.setattr(C, "RESULTS", tmp_path / "RESULTS.md")
     seen = []
     final = bench.run(argparse.Namespace(quick=True, peers="none"),
@@ -337,3 +338,103 @@ def test_bench_fp8_einsum_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypatc
     assert interleaved not in (tmp_path / "RESULTS.md").read_text()  # the --peers none report above
     bench.report(dict(final, rows=[row]))
     assert interleaved in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_bench_grouped_gemm_counts_the_int4_bytes_of_experts_with_rows(tmp_path, monkeypatch):
+    """The grouped GEMM's weight GB/s and fraction of copy bandwidth count the int4 bytes (N*K/2 per expert,
+    scales excluded) of the experts that receive rows: an expert without rows has no weights to read (the kernels
+    map rows to experts), and at 64 rows over 32 experts multinomial routing leaves about 5 of them empty.
+    TFLOP/s: 2*M*N*K over the routed rows; the plot's read floor likewise."""
+    import argparse
+
+    import numpy as np
+
+    bench = _load_bench("bench_grouped_gemm")
+    C = bench.C
+    _one_call_timing(monkeypatch, C)  # 100 us per call, copy bandwidth 1 TB/s
+    n, k = 256, 256
+    monkeypatch.setattr(bench, "SHAPES", {"down": (n, k)})
+    busy = 8  # experts 0..7 take all rows, the other 24 none
+    monkeypatch.setattr(bench, "sizes_for", lambda m, routing, rng: np.array(
+        [m // busy] * busy + [0] * (bench.E - busy), np.int32))
+    args = argparse.Namespace(ms=[16], quick=False, no_torch=True, x_scales="ue8m0", peers="none", tiles=[])
+    payload = bench.run(args)
+    (r,) = payload["rows"]
+    assert r["weight_GBps"] == pytest.approx(busy * n * k / 2 / 1e-4 / 1e9)
+    assert r["frac_copy_bw"] == pytest.approx(busy * n * k / 2 / 1e-4 / 1e12)
+    assert r["TFLOPs"] == pytest.approx(2 * 16 * n * k / 1e-4 / 1e12)
+    assert r["experts_with_rows"] == busy
+    assert bench.read_floor_us(r, payload["copy_bw"]) == pytest.approx(busy * n * k / 2 / 1e12 * 1e6)
+    # rows of an older JSON (no experts_with_rows): every expert, as they were computed
+    assert bench.read_floor_us({"N": n, "K": k}, 1e12) == pytest.approx(bench.E * n * k / 2 / 1e12 * 1e6)
+
+
+def test_bench_fp8_einsum_xla_fp8_peer_writes_bf16_like_ours(monkeypatch):
+    """The per-tensor XLA fp8 peer does the work ours does: e4m3 x e4m3 -> bf16 [M, N] with its scale applied. A
+    bf16 product times a float32 scalar promotes to float32, i.e. a second pass writing twice the output bytes,
+    which slowed the peer (and flattered the ratio to it)."""
+    import argparse
+
+    import jax
+    import jax.numpy as jnp
+
+    bench = _load_bench("bench_fp8_einsum")
+    C = bench.C
+    _one_call_timing(monkeypatch, C)
+    monkeypatch.setattr(bench, "LINEARS", {"q_a": (256, 384)})
+    monkeypatch.setattr(bench, "MS_QUICK", [16])
+    monkeypatch.setattr(bench, "PER_HEAD", {})
+    seen = {}
+
+    def alternating(fns, **_):
+        for name, (fn, sets) in fns.items():
+            seen[name] = jax.eval_shape(fn, *sets[0])
+        return {name: 1e-4 for name in fns}
+
+    monkeypatch.setattr(C, "bench_alternating", alternating)
+    bench.run(argparse.Namespace(quick=True, peers="all"))
+    assert seen["ours"].shape == seen["xla_fp8"].shape == (16, 256)
+    assert seen["ours"].dtype == seen["xla_fp8"].dtype == jnp.bfloat16
+
+
+def test_bench_fp8_einsum_rotates_weights_past_the_l2(monkeypatch):
+    """Every timed call of a case rotates through weight sets of at least ROTATE_BYTES together (BENCHMARKS.md:
+    rotating inputs larger than L2): two sets of a small linear (kv_a: 2 x 4 MB) or one per-head weight (8 MB for
+    the MLA absorb products, 64 MB for V4's wo_a) stayed in the H200's 50-60 MB L2 and flattered their GB/s."""
+    import argparse
+
+    bench = _load_bench("bench_fp8_einsum")
+    C = bench.C
+    _one_call_timing(monkeypatch, C)
+    monkeypatch.setattr(bench, "LINEARS", {"q_a": (256, 384)})
+    monkeypatch.setattr(bench, "MS_QUICK", [1])
+    monkeypatch.setattr(bench, "PER_HEAD", {"tiny": (2, 128, 256)})  # H, R, D
+    monkeypatch.setattr(bench, "ROTATE_BYTES", 1 << 20, raising=False)
+    timed = []
+
+    def record(fn, arg_sets, **_):
+        distinct = {id(a): a.nbytes for s in arg_sets for a in s}
+        timed.append(sum(distinct.values()))
+        return 1e-4
+
+    monkeypatch.setattr(C, "bench", record)
+    monkeypatch.setattr(C, "bench_alternating", lambda fns, **kw: {n: record(f, s) for n, (f, s) in fns.items()})
+    rows = bench.run(argparse.Namespace(quick=True, peers="all"))["rows"]
+    assert [r["case"] for r in rows][:2] == ["q_a", "tiny"]
+    assert timed and min(timed) >= 1 << 20, timed
+
+
+def test_top_k_beyond_int32_is_no_filter(capsys):
+    """--top-k larger than the vocabulary keeps every token, as in transformers, however large: 2**40 crashed with
+    an OverflowError (int32) after the model loaded. The text equals that of --top-k = the vocabulary size (every
+    token kept; the same compiled steps)."""
+    args = ["--max-new-tokens", "3", "--temperature", "1", "--seed", "7", "--no-chat-template", "--top-k"]
+
+    def text(k):
+        assert cli.main(args + [str(k)]) == 0
+        out = capsys.readouterr().out
+        vocab = int(re.search(r"vocab (\d+)", out).group(1))
+        return out[out.index(">>> "):].splitlines()[0], vocab
+
+    got, vocab = text(2**40)
+    assert text(vocab) == (got, vocab)

@@ -265,6 +265,30 @@ def test_bench_alternating_interleaves_the_rounds_and_times_each_function():
     assert runs == ["a", "b", "a", "b", "a", "b"] and log.count("a") == log.count("b") == 5 * 10, (runs, len(log))
 
 
+def test_bench_device_loop_runs_every_input_set():
+    """benchmarks/_common.bench: the timed program's n chained calls cover every one of its input sets, also more than
+    the 10 calls it starts from (a benchmark that rotates weight sets past the L2 lists as many as it needs), and
+    stay a multiple of their count when raised."""
+    import jax
+    import jax.numpy as jnp
+
+    C = _common()
+    used = []
+    sets = [(jnp.full((8,), i, jnp.float32),) for i in range(12)]
+
+    def fn(v):
+        jax.debug.callback(lambda i: used.append(int(i)), v[0])
+        return v * 2
+
+    run, n = C._device_loop(fn, sets, None, 0.0, 200)  # min_program_s 0: n is not raised for time
+    assert n >= len(sets), n
+    used.clear()
+    run()
+    assert sorted(set(used)) == list(range(12)), used
+    _, n = C._device_loop(fn, sets, None, 10.0, 30)  # raised for time, capped at max_n: still every set
+    assert n >= len(sets), n
+
+
 def _trace(spans):
     """A perfetto trace dict: kernels (stream, name, start, duration) on /device:GPU:0, plus one host event."""
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
