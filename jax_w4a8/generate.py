@@ -7,10 +7,11 @@
 ``DIR`` is a HF DeepSeek-V3/R1 directory: ``config.json``, ``model.safetensors`` (or shards + index), and
 ``tokenizer.json`` (read with the ``tokenizers`` library). When ``tokenizer_config.json`` has a
 ``chat_template`` the prompt is sent as one user message through it (``--no-chat-template`` sends the raw
-text); the template is rendered with jinja2 when it is installed, otherwise with a built-in fallback that
-knows DeepSeek's format (``BOS <｜User｜>prompt<｜Assistant｜>``, plus ``<think>\\n`` when the template opens a
-think block) and ChatML, and sends the raw text for any other template (with a note). Generation stops at
-the EOS ids of ``generation_config.json`` (else the tokenizer's ``eos_token``, else ``config.json``).
+text); the template is rendered with jinja2 (a dependency), as transformers renders it; where jinja2 is
+missing, a built-in fallback knows DeepSeek's format (``BOS <｜User｜>prompt<｜Assistant｜>``, plus ``<think>\\n``
+when the template opens a think block) and ChatML, and sends the raw text for any other template (with a note).
+Generation stops at the EOS ids of ``generation_config.json`` (else the tokenizer's ``eos_token``, else
+``config.json``). ``--check-finite`` ends with an ``error:`` line (exit status 1) on NaN / Inf logits.
 
 ``--quantize``: ``w4a8`` (int4 routed experts, FP8 blocks for the other linears), ``fp8`` (FP8 blocks
 everywhere) or ``none`` (keep the checkpoint's formats; the default with ``--checkpoint``). Without
@@ -23,6 +24,7 @@ decode throughput (tokens/s, compilation time excluded and reported separately).
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -60,13 +62,16 @@ def render_chat_template(template: str, messages: list[dict], *, bos_token: str 
     except ImportError:
         jinja = None
     else:
-        jinja = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        # as transformers renders chat templates: {% break %} / {% continue %}, and strftime_now for the date
+        jinja = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=["jinja2.ext.loopcontrols"])
 
     if jinja is not None:
         def raise_exception(msg):
             raise ValueError(f"chat template: {msg}")
 
         jinja.globals["raise_exception"] = raise_exception
+        jinja.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
         jinja.filters.setdefault("tojson", lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw))
         text = jinja.from_string(template).render(messages=messages, bos_token=bos_token or "",
                                                   eos_token=eos_token or "",
@@ -195,7 +200,7 @@ def main(argv=None) -> int:
     from tokenizers import Tokenizer
 
     from jax_w4a8.models.deepseek import load_checkpoint
-    from jax_w4a8.models.deepseek.generate import generate
+    from jax_w4a8.models.deepseek.generate import NonFiniteLogitsError, generate
 
     embedded = args.checkpoint is None
     ckpt = DEFAULT_CHECKPOINT if embedded else args.checkpoint
@@ -256,17 +261,26 @@ def main(argv=None) -> int:
         print(f"error: the tokenizer produced id {bad[0]} >= the model's vocab_size {model.cfg.vocab_size}",
               file=sys.stderr)
         return 2
-    print(f"prompt: {len(ids)} tokens; generating up to {args.max_new_tokens} "
-          f"({'greedy' if args.temperature == 0 else f'temperature {args.temperature}'}"
-          f"{f', top-k {args.top_k}' if args.top_k else ''}{f', top-p {args.top_p}' if args.top_p else ''})")
+    if args.temperature == 0:   # greedy takes the most likely token: the filters change nothing
+        how = "greedy" + ("; --top-k / --top-p ignored (they filter sampling: pass --temperature)"
+                          if args.top_k is not None or args.top_p is not None else "")
+    else:
+        how = (f"temperature {args.temperature}" + (f", top-k {args.top_k}" if args.top_k is not None else "")
+               + (f", top-p {args.top_p}" if args.top_p is not None else ""))
+    print(f"prompt: {len(ids)} tokens; generating up to {args.max_new_tokens} ({how})")
     print("-" * 72)
     stream = TextStream(tokenizer)
     sys.stdout.write(prompt)
     sys.stdout.write("\n>>> ")
     sys.stdout.flush()
-    tokens, st = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                          top_p=args.top_p, eos_token_id=eos, seed=args.seed, stream=stream,
-                          check_finite=args.check_finite, return_stats=True)
+    try:
+        tokens, st = generate(model, [ids], args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                              top_p=args.top_p, eos_token_id=eos, seed=args.seed, stream=stream,
+                              check_finite=args.check_finite, return_stats=True)
+    except NonFiniteLogitsError as e:   # --check-finite: the tokens so far are printed; the reason, not a traceback
+        stream.close()
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
     stream.close()
     print("-" * 72)
     stop = "EOS" if tokens[0] and tokens[0][-1] in eos else f"max {args.max_new_tokens} tokens"

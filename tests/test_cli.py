@@ -154,6 +154,44 @@ def test_chat_template_jinja_agrees_with_fallback(monkeypatch):
     assert cli.render_chat_template(template, msgs, bos_token=BOS)[0] == got
 
 
+def test_chat_template_loop_controls_and_date_as_transformers():
+    """Templates may use ``{% break %}`` / ``{% continue %}`` and ``strftime_now`` (transformers' chat-template
+    environment has both; without them jinja2 refused the template)."""
+    pytest.importorskip("jinja2")
+    import datetime
+
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}{{ m['content'] }}"
+                "{% if m['content'] == 'stop' %}{% break %}{% endif %}|{% endfor %}{{ strftime_now('%Y') }}")
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "a"},
+            {"role": "user", "content": "stop"}, {"role": "user", "content": "b"}]
+    year = datetime.datetime.now().strftime("%Y")
+    assert cli.render_chat_template(template, msgs) == (f"a|stop{year}", "jinja2")
+
+
+def test_greedy_says_top_k_and_top_p_are_ignored(capsys):
+    """At temperature 0 (greedy) the filters change nothing: the CLI says so instead of listing them as in use."""
+    assert cli.main(["--max-new-tokens", "1", "--top-k", "5", "--top-p", "0.5"]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("prompt:"))
+    assert "(greedy; --top-k / --top-p ignored" in line and "top-k 5" not in line, line
+
+
+def test_non_finite_logits_end_with_an_error_line(tmp_path, capsys):
+    """--check-finite on a checkpoint whose final norm is NaN: exit status 1 and an ``error:`` line naming the
+    step, not a traceback."""
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(cli.DEFAULT_CHECKPOINT, ckpt)
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    tensors["model.norm.weight"] = np.full_like(tensors["model.norm.weight"], np.nan)
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    rc = cli.main(["--checkpoint", str(ckpt), "--max-new-tokens", "3", "--check-finite"])
+    err = capsys.readouterr().err
+    assert rc == 1, err
+    assert "error: generate: non-finite logits at step 0" in err and "Traceback" not in err, err
+
+
 def test_text_stream_holds_back_partial_utf8():
     class ByteTok:          # decodes ids as bytes, like a byte-level BPE with one byte per token
         def decode(self, ids, skip_special_tokens=True):
