@@ -162,6 +162,35 @@ def test_fp8_ue8m0_checkpoint(tmp_path, fp32_ckpt):
         load_checkpoint(bad, progress=False)
 
 
+def test_fp8_scales_stored_as_e8m0_codes(tmp_path, fp32_ckpt):
+    """Block scales stored as ``F8_E8M0`` (one byte, 2**(code - 127), as DeepSeek-V4's checkpoints store them) load
+    as the float32 powers of two they encode: the model equals the one loaded from float32 scales, and is UE8M0
+    without a ``scale_fmt``. Code 255 (NaN) is refused by name."""
+    path, cfg, w = fp32_ckpt
+    f32 = fp8_weights(cfg, w, ue8m0=True)
+    codes = {k: (v.astype(ml_dtypes.float8_e8m0fnu) if k.endswith("_scale_inv") else v) for k, v in f32.items()}
+    key = next(k for k in codes if k.endswith("_scale_inv"))
+    assert codes[key].dtype == ml_dtypes.float8_e8m0fnu
+    np.testing.assert_array_equal(codes[key].astype(np.float32), f32[key])  # powers of two: exact in one byte
+    ref_dir, e8_dir = str(tmp_path / "f32"), str(tmp_path / "e8m0")
+    qc = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    write_checkpoint(ref_dir, CK, f32, quantization_config=dict(qc, scale_fmt="ue8m0"))
+    write_checkpoint(e8_dir, CK, codes, quantization_config=qc)
+    ref, got = load_checkpoint(ref_dir, progress=False), load_checkpoint(e8_dir, progress=False)
+    assert got.quant == ref.quant == QuantConfig.fp8(ue8m0=True)
+    for (p1, a), (p2, b) in zip(nnx.to_flat_state(nnx.state(ref)), nnx.to_flat_state(nnx.state(got))):
+        assert p1 == p2
+        np.testing.assert_array_equal(np.asarray(a[...]), np.asarray(b[...]), err_msg=str(p1))
+    ids = np.arange(12).reshape(2, 6) * 7
+    np.testing.assert_array_equal(logits(got, ids), logits(ref, ids))
+    bad = dict(codes)
+    bad[key] = bad[key].copy()
+    bad[key].view(np.uint8)[0, 0] = 255
+    write_checkpoint(str(tmp_path / "nan"), CK, bad, quantization_config=qc)
+    with pytest.raises(CheckpointError, match=f"{key[:-len('.weight_scale_inv')]}.*nan"):
+        load_checkpoint(str(tmp_path / "nan"), progress=False)
+
+
 def test_w4afp8_checkpoint(tmp_path, fp32_ckpt, rng):
     path, cfg, w = fp32_ckpt
     ckpt = w4afp8_weights(cfg, w, rng)

@@ -4,7 +4,8 @@ Formats read (SPEC section 6), per tensor, by its stored dtype:
 
 * bf16 / fp16 / fp32 weights;
 * DeepSeek-V3/R1 FP8: e4m3 ``X.weight`` + fp32 ``X.weight_scale_inv`` [ceil(N/128), ceil(K/128)]
-  (``quantization_config.scale_fmt == "ue8m0"``: the scales are powers of two, DeepSeek-V3.1);
+  (``quantization_config.scale_fmt == "ue8m0"``: the scales are powers of two, DeepSeek-V3.1; scales stored as
+  ``F8_E8M0`` codes are read as those powers of two);
 * DeepSeek-R1-W4AFP8 routed experts: int8 ``experts.{j}.{gate,up,down}_proj.weight`` [N, K/2] (packed
   int4, low nibble first) + fp32 ``weight_scale_inv`` [N, K/128] + ``experts.{j}.{w1,w3,w2}.input_scale``
   (w1 = gate, w3 = up, w2 = down; amax / 448 per expert); everything else as the FP8 checkpoint;
@@ -66,6 +67,8 @@ _ST_DTYPES = {
     "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
 }
 _FLOAT = ("F32", "BF16", "F16", "F64")
+# FP8 block scales: float, or UE8M0 codes stored as F8_E8M0 (2**(code - 127); 255 is NaN, refused by _check_scales)
+_SCALES = _FLOAT + ("F8_E8M0",)
 
 
 class CheckpointError(ValueError):
@@ -284,7 +287,7 @@ class _LinearTarget(_Target):
             self.kinds[src] = "fp8" if fp8 else "float"
             self.expect(src + ".weight", (n, k), ("F8_E4M3",) if self.kinds[src] == "fp8" else _FLOAT)
             if self.kinds[src] == "fp8":
-                self.expect(src + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)), _FLOAT)
+                self.expect(src + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)), _SCALES)
             if module.bias is not None:
                 self.expect(src + ".bias", (n,), _FLOAT)
         self.pieces: dict[str, np.ndarray] = {}
@@ -337,9 +340,9 @@ class _ExpertsTarget(_Target):
                     base = f"{prefix}.{j}.{proj}"
                     self.expect(base + ".weight", (n, k // 2) if self.src == "w4" else (n, k), dt)
                     if self.src == "fp8":
-                        self.expect(base + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)), _FLOAT)
+                        self.expect(base + ".weight_scale_inv", (-(-n // BLOCK), -(-k // BLOCK)), _SCALES)
                     elif self.src == "w4":
-                        self.expect(base + ".weight_scale_inv", (n, k // BLOCK), _FLOAT)
+                        self.expect(base + ".weight_scale_inv", (n, k // BLOCK), _SCALES)
                 for w_ in _INPUT_SCALE:      # required when the model keeps them, else consumed if present
                     name = f"{prefix}.{j}.{w_}.input_scale"
                     if module.gate_up_proj_input_scale is not None or (self.src == "w4" and name in infos):
@@ -514,8 +517,9 @@ def resolve_quant_config(cfg: DeepseekConfig, infos: dict[str, TensorInfo], quan
     if "fp8" in (src_linear, src_experts) and block is not None and list(block) != [BLOCK, BLOCK]:
         raise CheckpointError(f"quantization_config.weight_block_size is {block}: only FP8 blocks of "
                               f"[{BLOCK}, {BLOCK}] are supported")
-    if ue8m0 is None:
-        ue8m0 = (quantization_config or {}).get("scale_fmt") == "ue8m0"
+    if ue8m0 is None:   # scales stored as F8_E8M0 are UE8M0 whatever the config says
+        ue8m0 = ((quantization_config or {}).get("scale_fmt") == "ue8m0"
+                 or any(t.dtype == "F8_E8M0" and n.endswith("scale_inv") for n, t in live.items()))
     if quantize is None:
         linear, experts = src_linear, src_experts
     elif quantize == "fp8":
@@ -554,7 +558,8 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
       dtype: activation dtype and dtype of unquantized weights: bfloat16 or float32.
       act_scale: W4A8 expert activations: ``"dynamic"`` (per token and 128 group) or ``"static"`` (the
         checkpoint's ``input_scale``, max over each layer's experts; W4AFP8 checkpoints only).
-      ue8m0: FP8 scales as powers of two; default: ``quantization_config.scale_fmt == "ue8m0"``.
+      ue8m0: FP8 scales as powers of two; default: ``quantization_config.scale_fmt == "ue8m0"`` or scales stored
+        as ``F8_E8M0``.
       progress: show a tqdm progress bar.
       mesh: optional mesh with an ``"expert"`` axis (:func:`jax_w4a8.sharding.make_mesh`): each tensor
         goes straight to the devices that own it (never the whole model on one device) and the MoE
