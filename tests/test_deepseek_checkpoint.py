@@ -326,6 +326,27 @@ def test_save_w4afp8_with_input_scales(tmp_path, fp32_ckpt, rng):
         save_checkpoint(model, str(tmp_path / "x"), expert_layout="fused")
 
 
+@pytest.mark.parametrize("quantize", ["w4a8", "fp8"])
+def test_fused_experts_convert_one_expert_at_a_time(tmp_path, fp32_ckpt, quantize, monkeypatch):
+    """transformers-5's fused ``experts.gate_up_proj`` [E, 2I, D] quantizes on load expert by expert (a whole
+    DeepSeek-V3 layer's float32 copy is 30 GB), to the same tensors as the per-expert layout."""
+    from jax_w4a8.models.deepseek import checkpoint as ck
+
+    path, cfg, _ = fp32_ckpt
+    fused, per_expert = str(tmp_path / "fused"), str(tmp_path / "per_expert")
+    model = load_checkpoint(path, progress=False)
+    save_checkpoint(model, fused, expert_layout="fused")
+    save_checkpoint(model, per_expert, expert_layout="per_expert")
+    largest = []
+    real = ck._convert
+    monkeypatch.setattr(ck, "_convert", lambda src, *a: largest.append(src.w.size) or real(src, *a))
+    got = load_checkpoint(fused, quantize=quantize, progress=False)
+    d, i = cfg.hidden_size, cfg.moe_intermediate_size
+    assert max(largest) <= max(d * i, d * d, cfg.vocab_size * d, d * cfg.intermediate_size), max(largest)
+    monkeypatch.undo()
+    assert_same_state(load_checkpoint(per_expert, quantize=quantize, progress=False), got)
+
+
 @pytest.mark.parametrize("name", ["yarn_fused", "plain_noqlora"])
 def test_golden_layouts_round_trip(tmp_path, name):
     """transformers-5 fused experts and hub per-expert experts load to the same tensors after a save."""
@@ -536,6 +557,12 @@ def test_a_file_that_is_not_safetensors_is_named(tmp_path, fp32_ckpt):
     with open(shard, "wb") as f:
         f.write((40).to_bytes(8, "little") + b'{"model.norm.weight": {"dtype": "F32", "sh')
     with pytest.raises(CheckpointError, match="model-00002-of-00002.safetensors.*not a safetensors file"):
+        load_checkpoint(path, progress=False)
+    # a header entry without its offsets (a hand-edited or foreign writer's file): named, not a KeyError
+    header = json.dumps({"model.norm.weight": {"dtype": "F32", "shape": [4]}}).encode()
+    with open(shard, "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(CheckpointError, match="'model.norm.weight' in .*model-00002-of-00002.safetensors.*lacks"):
         load_checkpoint(path, progress=False)
 
 

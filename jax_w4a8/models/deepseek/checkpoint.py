@@ -109,7 +109,11 @@ class SafetensorsFile:
         self.metadata = header.pop("__metadata__", None)
         self.tensors: dict[str, TensorInfo] = {}
         for name, h in header.items():
-            dt, shape, (b, e) = h["dtype"], tuple(h["shape"]), h["data_offsets"]
+            try:
+                dt, shape, (b, e) = h["dtype"], tuple(int(v) for v in h["shape"]), map(int, h["data_offsets"])
+            except (KeyError, TypeError, ValueError):
+                raise CheckpointError(f"tensor '{name}' in {path}: its header entry {h!r} lacks a dtype, shape or "
+                                      "data_offsets pair") from None
             if dt not in _ST_DTYPES:
                 raise CheckpointError(f"tensor '{name}' in {path}: unsupported safetensors dtype {dt}")
             nbytes = math.prod(shape) * _ST_DTYPES[dt].itemsize
@@ -390,17 +394,14 @@ class _ExpertsTarget(_Target):
             self._alloc()
         m, p = self.m, self.prefix
         self.remaining -= 1
-        if self.fused:
+        if self.fused:   # one expert at a time: a float32 copy of a whole V3 layer's [E, 2I, D] is 30 GB
             i = m.inter
-            if name.endswith("gate_up_proj"):
-                for proj, part in (("gate_proj", array[:, :i]), ("up_proj", array[:, i:])):
-                    w, s = _convert(_Src("float", part), m.quant, m.dtype, m.ue8m0, f"tensor '{name}'")
-                    for j in range(m.num_experts):
-                        self._put(j, proj, w[j], None if s is None else s[j])
-            else:
-                w, s = _convert(_Src("float", array), m.quant, m.dtype, m.ue8m0, f"tensor '{name}'")
+            parts = ((("gate_proj", array[:, :i]), ("up_proj", array[:, i:])) if name.endswith("gate_up_proj")
+                     else (("down_proj", array),))
+            for proj, part in parts:
                 for j in range(m.num_experts):
-                    self._put(j, "down_proj", w[j], None if s is None else s[j])
+                    w, s = _convert(_Src("float", part[j]), m.quant, m.dtype, m.ue8m0, f"tensor '{name}' (expert {j})")
+                    self._put(j, proj, w, s)
         else:
             rest = name[len(p) + 1:]
             j_str, proj, _ = rest.split(".", 2)
