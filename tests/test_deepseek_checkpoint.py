@@ -450,7 +450,8 @@ def test_bad_arguments_and_files(tmp_path, fp32_ckpt):
     index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
     del index["weight_map"][stray]
     json.dump(index, open(os.path.join(path, "model.safetensors.index.json"), "w"))
-    with pytest.raises(CheckpointError, match=f"'{stray}' in .*model-00002-of-00002.safetensors.*not listed in the index"):
+    with pytest.raises(CheckpointError,
+                       match=f"'{stray}' in .*model-00002-of-00002.safetensors.*not listed in the index"):
         load_checkpoint(path, progress=False)
     # an index entry whose file lacks the tensor
     _rewrite(path, w, n_shards=2)

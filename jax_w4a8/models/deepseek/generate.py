@@ -713,7 +713,8 @@ def generate(model: DeepseekV3ForCausalLM, prompts, max_new_tokens: int, *, temp
       ValueError (before anything compiles): a bad setting (max_new_tokens not an int >= 0, temperature,
       top_k, top_p, pad_token_id, a seed outside ``[0, 2**63)``, an ``eos_token_id`` outside int32), an empty
       prompt, an id outside the vocabulary, or a flat list of ids (``[0, 5, 77]``: one prompt is
-      ``[[0, 5, 77]]``). TypeError: non-integer token ids or EOS ids, a ``stream`` that is not callable. Warns when the prompt and new tokens need more than
+      ``[[0, 5, 77]]``), or a [B, T] array inside the list. TypeError: non-integer token ids or EOS ids, a
+      ``stream`` that is not callable. Warns when the prompt and new tokens need more than
       ``max_position_embeddings`` positions (``len(prompt) + max_new_tokens - 1``).
     """
     rows = _check_args(model.cfg.vocab_size, prompts, max_new_tokens, temperature, top_k, top_p, eos_token_id, seed,
