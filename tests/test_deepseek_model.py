@@ -165,6 +165,41 @@ def test_golden_bf16(name, device):
     print(f"{name}: near-tie greedy divergences: {ties}")
 
 
+def test_bf16_model_keeps_the_router_weight_fp32(rng):
+    """transformers keeps the router weight in float32 in a bf16 model (``_keep_in_fp32_modules_strict =
+    ["e_score_correction_bias", "gate.weight"]`` in 5.25; 5.17 kept only the bias): a float32 checkpoint's
+    ``mlp.gate.weight`` is used unrounded. This model rounded it to bf16, which moved the experts of 0.3-1% of
+    tokens against transformers' bf16 model on the same bf16 router inputs (here about 0.3%; 0.95% at E=64,
+    8 groups, top-8)."""
+    ref = load_np_reference()
+    path, _ = golden("yarn_qlora")                   # a float32 checkpoint
+    with open(os.path.join(path, "config.json")) as f:
+        c = ref.resolve_config(json.load(f))
+    w = ref.load_weights(os.path.join(path, "model.safetensors"), c)
+    model = load_checkpoint(path, dtype=jnp.bfloat16, progress=False)
+    layer = next(i for i in range(c["num_hidden_layers"]) if i >= c["first_k_dense_replace"])
+    gate = model.model.layers[layer].mlp.gate
+    p = f"model.layers.{layer}.mlp."
+    assert gate.weight[...].dtype == jnp.float32 and gate.e_score_correction_bias[...].dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(gate.weight[...]), w[p + "gate.weight"].astype(np.float32))
+
+    # bf16 router inputs (the post-attention norm's output in a bf16 model), routed in float64 with the weights
+    x = rng.standard_normal((16384, c["hidden_size"])).astype(ml_dtypes.bfloat16).astype(np.float64)
+    want_ids, want_w = ref.router(c, w, p, x)
+    g, tg, k = c["n_group"], c["topk_group"], c["num_experts_per_tok"]
+    ok = _np_router_margins(x, w[p + "gate.weight"], w[p + "gate.e_score_correction_bias"], g, tg, k) > 1e-5
+    rounded = dict(w, **{p + "gate.weight": w[p + "gate.weight"].astype(ml_dtypes.bfloat16).astype(np.float64)})
+    moved = (ref.router(c, rounded, p, x)[0] != want_ids).any(-1) & ok
+    assert moved.sum() >= 5, "rounding the router weight to bf16 moves no token here: the test shows nothing"
+    ids, weights = (np.asarray(a) for a in gate(jnp.asarray(x, jnp.bfloat16)))
+    order = np.argsort(ids, -1)
+    ids, weights = np.take_along_axis(ids, order, -1), np.take_along_axis(weights, order, -1)
+    print(f"tokens the bf16-rounded router weight would move: {moved.sum()} of {len(x)}; "
+          f"moved here: {(ids != want_ids).any(-1)[ok].sum()}")
+    np.testing.assert_array_equal(ids[ok], want_ids[ok])
+    np.testing.assert_allclose(weights[ok], want_w[ok], rtol=1e-5)
+
+
 def test_check_greedy_accepts_only_near_ties():
     rng = np.random.default_rng(0)
     ref = rng.standard_normal((2, 7, 10)) * 3

@@ -534,14 +534,15 @@ class Linear(nnx.Module):
 
 
 class TopkRouter(nnx.Module):
-    """HF ``DeepseekV3TopkRouter`` (checkpoint ``mlp.gate``): ``weight`` [E, D] in ``dtype`` and
-    ``e_score_correction_bias`` fp32 [E]. ``__call__(x [N, D]) -> (ids int32 [N, K], weights fp32 [N, K])``
-    (see :func:`route`)."""
+    """HF ``DeepseekV3TopkRouter`` (checkpoint ``mlp.gate``): ``weight`` fp32 [E, D] and
+    ``e_score_correction_bias`` fp32 [E], whatever ``dtype``: transformers 5.25 keeps both in float32
+    (``_keep_in_fp32_modules_strict``; 5.17 kept only the bias), so a float32 checkpoint's router weight is not
+    rounded to bf16. ``__call__(x [N, D]) -> (ids int32 [N, K], weights fp32 [N, K])`` (see :func:`route`)."""
 
     def __init__(self, cfg: DeepseekConfig, *, dtype=jnp.bfloat16, rngs: nnx.Rngs):
         e, d = cfg.n_routed_experts, cfg.hidden_size
         self.cfg = cfg
-        self.weight = nnx.Param(_normal(rngs, (e, d), 1.5 * d ** -0.5).astype(dtype))
+        self.weight = nnx.Param(_normal(rngs, (e, d), 1.5 * d ** -0.5))     # fp32 in a bf16 model too
         self.e_score_correction_bias = nnx.Param(_normal(rngs, (e,), 0.1))
 
     def __call__(self, x):
