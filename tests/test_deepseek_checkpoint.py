@@ -544,6 +544,29 @@ def test_layers_past_the_mtp_layers_are_unexpected(tmp_path, rng):
 
 
 
+def test_no_shared_experts_ignores_the_empty_tensors_transformers_saves(tmp_path, rng):
+    """``n_shared_experts: 0``: transformers' save_pretrained writes the layer's ``shared_experts`` projections as
+    empty [0, D] / [D, 0] tensors; they hold nothing and load as nothing (they were unexpected tensors)."""
+    cfg_d = dict(CK, n_shared_experts=0)
+    cfg = DeepseekConfig.from_dict(cfg_d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # the empty tensors' 1 / sqrt(0) init scale
+        w = {k: v for k, v in random_weights(cfg, rng).items() if ".shared_experts." not in k}
+    plain, hf = str(tmp_path / "plain"), str(tmp_path / "hf")
+    write_checkpoint(plain, cfg_d, w)
+    d = cfg.hidden_size
+    empty = {f"model.layers.1.mlp.shared_experts.{p}.weight": np.zeros(s, np.float32)
+             for p, s in (("gate_proj", (0, d)), ("up_proj", (0, d)), ("down_proj", (d, 0)))}
+    write_checkpoint(hf, cfg_d, {**w, **empty})
+    ids = np.arange(10).reshape(2, 5) * 3
+    np.testing.assert_array_equal(logits(load_checkpoint(hf, progress=False), ids),
+                                  logits(load_checkpoint(plain, progress=False), ids))
+    # a non-empty one is still unexpected
+    write_checkpoint(hf, cfg_d, {**w, "model.layers.1.mlp.shared_experts.up_proj.weight": np.zeros((1, d))})
+    with pytest.raises(CheckpointError, match="unexpected tensor 'model.layers.1.mlp.shared_experts.up_proj"):
+        load_checkpoint(hf, progress=False)
+
+
 def test_a_file_that_is_not_safetensors_is_named(tmp_path, fp32_ckpt):
     """A Git LFS pointer (a repository cloned without ``git lfs pull``: the shard is ~130 bytes of text) or a
     truncated header is a CheckpointError naming the file (the pointer's first 8 bytes, read as the header length,

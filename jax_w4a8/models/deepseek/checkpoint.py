@@ -580,6 +580,9 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
     files = _open_checkpoint(path, cfg)
     infos: dict[str, TensorInfo] = {}
     for sf in files:
+        if not cfg.n_shared_experts:  # transformers saves such a model's shared_experts as empty tensors ([0, D])
+            for name in [n for n, t in sf.tensors.items() if ".mlp.shared_experts." in n and 0 in t.shape]:
+                del sf.tensors[name]
         for name, info in sf.tensors.items():
             if name in infos:
                 raise CheckpointError(f"tensor '{name}' is stored twice: in {infos[name].file} and {sf.path}")
