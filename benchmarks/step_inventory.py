@@ -36,7 +36,8 @@ def fusions(hlo_text: str) -> int:
     return sum(fusion_kinds(hlo_text).values())
 
 
-FUSION = re.compile(r"%?([\w.-]+)\s*=\s*\S+\s+fusion\(.*?kind=(k\w+)")
+# the type is one token, or a tuple of them for a fusion of several outputs: "(f32[1]{0}, s32[1]{0})"
+FUSION = re.compile(r"%?([\w.-]+)\s*=\s*(?:\([^=\n]*?\)|\S+)\s+fusion\(.*?kind=(k\w+)")
 
 
 def fusion_kinds(hlo_text: str) -> collections.Counter:

@@ -404,6 +404,30 @@ def test_step_inventory_counts_custom_calls_of_both_texts():
     assert step_inventory.custom_calls(mlir) == {"jax_w4a8_quantize_fp8_groups": 1}
 
 
+def test_step_inventory_counts_multi_output_fusions():
+    """A fusion with several outputs has a tuple type, spaces inside (XLA's reductions on a GPU often do): it is a
+    fusion instruction like any other and must be counted (the regex once took the type for one token)."""
+    sys.path.insert(0, BENCH)
+    try:
+        import step_inventory
+    finally:
+        sys.path.remove(BENCH)
+    hlo = ('  %iota_reduce_fusion = (f32[1]{0}, s32[1]{0}) fusion(%dot.9), kind=kLoop, calls=%fused_computation.4\n'
+           '  %input_reduce_fusion.3 = (bf16[1,7168]{1,0}, f32[1]{0}, f32[1]{0}) fusion(%a, %b), kind=kInput, '
+           'calls=%fused_computation.7, metadata={op_name="jit(_decode)/reduce"}\n'
+           '  %loop_add_fusion.2 = bf16[1,7168]{1,0} fusion(%input_reduce_fusion.3), kind=kLoop, calls=%f.2\n'
+           '  %gte = f32[1]{0} get-tuple-element(%iota_reduce_fusion), index=0\n'
+           '  %add = f32[1]{0} add(%gte, %gte), metadata={op_name="fusion(x)"}\n')
+    assert step_inventory.fusions(hlo) == 3
+    assert step_inventory.fusion_kinds(hlo) == {("iota_reduce_fusion", "kLoop"): 1,
+                                                ("input_reduce_fusion", "kInput"): 1, ("loop_add_fusion", "kLoop"): 1}
+    # the CPU compile of a decode step has one (the router's top-k index reduction): every fusion line counts
+    _, compiled = step_inventory.decode_step_texts(1, False)
+    lines = [ln for ln in compiled.splitlines() if " fusion(" in ln and "kind=k" in ln]
+    assert any(" = (" in ln for ln in lines)
+    assert step_inventory.fusions(compiled) == len(lines)
+
+
 def test_step_inventory_lists_the_decode_steps_custom_calls():
     r = _run([os.path.join(BENCH, "step_inventory.py"), "--layers", "1"])
     assert r.returncode == 0, r.stderr
