@@ -386,12 +386,17 @@ def test_cuda_probes_build_with_their_documented_command(tmp_path, probe):
             assert run.stdout.count("alone") == 3, run.stdout
 
 
-def test_step_inventory_counts_custom_calls_of_both_texts():
+def _step_inventory():
     sys.path.insert(0, BENCH)
     try:
         import step_inventory
     finally:
         sys.path.remove(BENCH)
+    return step_inventory
+
+
+def test_step_inventory_counts_custom_calls_of_both_texts():
+    step_inventory = _step_inventory()
     hlo = ('%a = f32[2] custom-call(%x), custom_call_target="jax_w4a8_fp8_einsum"\n'
            '%b = f32[2] custom-call(%x), custom_call_target="jax_w4a8_fp8_einsum", api_version=4\n'
            '%c = f32[2] fusion(%a, %b), kind=kLoop, calls=%f\n'
@@ -407,11 +412,7 @@ def test_step_inventory_counts_custom_calls_of_both_texts():
 def test_step_inventory_counts_multi_output_fusions():
     """A fusion with several outputs has a tuple type, spaces inside (XLA's reductions on a GPU often do): it is a
     fusion instruction like any other and must be counted (the regex once took the type for one token)."""
-    sys.path.insert(0, BENCH)
-    try:
-        import step_inventory
-    finally:
-        sys.path.remove(BENCH)
+    step_inventory = _step_inventory()
     hlo = ('  %iota_reduce_fusion = (f32[1]{0}, s32[1]{0}) fusion(%dot.9), kind=kLoop, calls=%fused_computation.4\n'
            '  %input_reduce_fusion.3 = (bf16[1,7168]{1,0}, f32[1]{0}, f32[1]{0}) fusion(%a, %b), kind=kInput, '
            'calls=%fused_computation.7, metadata={op_name="jit(_decode)/reduce"}\n'
@@ -446,11 +447,7 @@ def test_ue8m0_decode_step_has_no_more_xla_kernels_than_float32_scales():
     fusions as one with float32 scales. (Encoding them to 1-byte codes before every einsum added 14 fusions a
     layer, XLA kernels of their own on a GPU: the H100's 2-layer decode step took 2.52 ms at batch 16 against
     2.28 ms with float32 scales, fifty-seventh session.)"""
-    sys.path.insert(0, BENCH)
-    try:
-        import step_inventory
-    finally:
-        sys.path.remove(BENCH)
+    step_inventory = _step_inventory()
     (low, comp), (low8, comp8) = (step_inventory.decode_step_texts(1, False, batch=4, ue8m0=u) for u in (False, True))
     assert step_inventory.custom_calls(low8) == step_inventory.custom_calls(low)
     assert step_inventory.fusion_kinds(comp8) == step_inventory.fusion_kinds(comp)
