@@ -136,7 +136,17 @@ def _open_checkpoint(path: str, cfg: DeepseekConfig) -> list[SafetensorsFile]:
     """The checkpoint's files, each holding the tensors to read from it. With an index, that is the tensors the
     index maps to it: a copy elsewhere is ignored, a tensor the index does not list is an error. Entries for
     tensors that are never loaded (:func:`_never_loaded`) are not checked, and a file that only they name is not
-    opened (TensorRT-LLM's W4AFP8 producer indexes layer ``num_hidden_layers`` but does not write it)."""
+    opened (TensorRT-LLM's W4AFP8 producer indexes layer ``num_hidden_layers`` but does not write it). A model
+    without shared experts drops the empty ``shared_experts`` tensors ([0, D]) transformers saves for it."""
+    files = _open_files(path, cfg)
+    if not cfg.n_shared_experts:
+        for sf in files:
+            for name in [n for n, t in sf.tensors.items() if ".mlp.shared_experts." in n and 0 in t.shape]:
+                del sf.tensors[name]
+    return files
+
+
+def _open_files(path: str, cfg: DeepseekConfig) -> list[SafetensorsFile]:
     index = os.path.join(path, "model.safetensors.index.json")
     single = os.path.join(path, "model.safetensors")
     if os.path.exists(index):
@@ -580,9 +590,6 @@ def load_checkpoint(path, quantize: str | None = None, dtype=jnp.bfloat16, *, ac
     files = _open_checkpoint(path, cfg)
     infos: dict[str, TensorInfo] = {}
     for sf in files:
-        if not cfg.n_shared_experts:  # transformers saves such a model's shared_experts as empty tensors ([0, D])
-            for name in [n for n, t in sf.tensors.items() if ".mlp.shared_experts." in n and 0 in t.shape]:
-                del sf.tensors[name]
         for name, info in sf.tensors.items():
             if name in infos:
                 raise CheckpointError(f"tensor '{name}' is stored twice: in {infos[name].file} and {sf.path}")
