@@ -1,11 +1,17 @@
 // The Python modules jax_w4a8._lib._ffi_cpu and jax_w4a8._lib._ffi_cuda (this file compiled twice,
 // with JAX_W4A8_CUDA defined for the second): registrations() -> {target name: handler capsule} and
 // source_sha256() (the fingerprint of the ffi/ sources it was built from); the CUDA module also has
-// built_with_cutlass(), the scratch each CUDA handler checks for a plan (w4a8_grouped_gemm_scratch,
+// built_with_cutlass(), built_with_cublaslt() and load_cublaslt(path) (the einsum's cuBLASLt path), the scratch each
+// CUDA handler checks for a plan (w4a8_grouped_gemm_scratch,
 // w4a8_moe_up_scratch, fp8_einsum_scratch) and the einsum decode kernel's launch (fp8_decode_launch;
 // tests/test_tiling.py).
 // Target names must match jax_w4a8/_ffi.py:TARGETS.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <string>
+#include <tuple>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -35,6 +41,9 @@ size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int sp
                               int64_t grouped_batches);
 size_t W4a8CutlassScratchBytes(int64_t m, int64_t e, int64_t n, int64_t k, int64_t experts_per_chunk);
 size_t CutlassBlockwiseScratchBytes(int64_t m, int64_t h, int64_t n, int64_t k, bool w_ue8m0);
+bool CublasBlockwiseBuilt();                                          // ffi/cuda/fp8_blockwise_cublas.cu
+size_t CublasBlockwiseLoad(const std::string& path, std::string* why);
+size_t CublasBlockwiseScratchBytes(int64_t m, int64_t n, int64_t k);
 }
 #endif
 
@@ -68,6 +77,14 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
 #if defined(JAX_W4A8_CUDA)
   // Whether the fp8 einsum's CUTLASS prefill kernel was compiled in (jax_w4a8.tiling plans it only then).
   m.def("built_with_cutlass", []() { return jax_w4a8::CutlassBlockwiseBuilt() && jax_w4a8::W4a8CutlassBuilt(); });
+  // Whether the einsum's cuBLASLt path was compiled in, and loading cuBLASLt (path "": the copy in the process or
+  // the loader's search): (version, "") or (0, why not). jax_w4a8._ffi.cublaslt() calls it.
+  m.def("built_with_cublaslt", []() { return jax_w4a8::CublasBlockwiseBuilt(); });
+  m.def("load_cublaslt", [](const std::string& path) {
+    std::string why;
+    const size_t version = jax_w4a8::CublasBlockwiseLoad(path, &why);
+    return std::make_tuple(version, version ? std::string() : why);
+  });
   // The scratch bytes each CUDA handler checks for a plan (tests compare jax_w4a8.tiling's plans with them).
   m.def("w4a8_grouped_gemm_scratch", [](int64_t m_, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k,
                                         bool f16, bool cutlass, int64_t experts_per_chunk) {
@@ -90,7 +107,8 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
     return d;
   });
   m.def("fp8_einsum_scratch", [](int64_t m_, int64_t h, int64_t n, int64_t k, int tile_tokens, int split_k,
-                                 bool cutlass, bool w_ue8m0) -> size_t {
+                                 bool cutlass, bool w_ue8m0, bool cublas) -> size_t {
+    if (cublas) return jax_w4a8::CublasBlockwiseScratchBytes(m_, n, k);
     if (cutlass) return jax_w4a8::CutlassBlockwiseScratchBytes(m_, h, n, k, w_ue8m0);
     return tile_tokens == 8 ? 0 : jax_w4a8::HopperGemmScratchBytes(m_, h, n, k, split_k, tile_tokens, 0);
   });

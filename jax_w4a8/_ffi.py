@@ -11,12 +11,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import importlib
+import importlib.util
 import os
 import pathlib
 
 import jax
 
-__all__ = ["FfiAvailability", "ffi_available", "built_with_cutlass", "build_info", "source_fingerprint",
+__all__ = ["FfiAvailability", "ffi_available", "built_with_cutlass", "cublaslt", "build_info", "source_fingerprint",
            "export_disabled_checks", "TARGETS"]
 
 # Target names, one per op; the same name is registered for every platform that has a handler.
@@ -83,6 +84,47 @@ def built_with_cutlass() -> bool:
         return False
     module = importlib.import_module(f"jax_w4a8._lib.{_MODULES['cuda'][0]}")
     return bool(getattr(module, "built_with_cutlass", lambda: False)())
+
+
+_CUBLASLT = None  # (version, why), once asked
+
+
+def _cublaslt_candidates() -> list:
+    """Where the nvidia-cublas wheel (a dependency of JAX's CUDA plugin) keeps cuBLASLt, for a process in which
+    nothing loaded it yet."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations) if spec and spec.submodule_search_locations else []
+    found = []
+    for root in roots:
+        for rel in ("cu13/lib/libcublasLt.so.13", "cublas/lib/libcublasLt.so.12"):
+            path = os.path.join(root, rel)
+            if os.path.exists(path):
+                found.append(path)
+    return found
+
+
+def cublaslt() -> tuple[int, str]:
+    """cuBLASLt for the fp8 einsum's ``kernel="cublas"`` path: ``(version, "")`` (e.g. 130002 for 13.0.2) once
+    loaded, else ``(0, why not)`` (the CUDA module missing or built without cuBLASLt's header, no library found,
+    or one older than 12.9, which has no block-scaled FP8 GEMM). Loads it on the first call: the copy in the
+    process (JAX's CUDA plugin loads it), the loader's search, then the nvidia-cublas wheel's."""
+    global _CUBLASLT
+    if _CUBLASLT is not None:
+        return _CUBLASLT
+    if not _STATUS["cuda"]:
+        _CUBLASLT = (0, f"the CUDA handlers are not available: {_STATUS['cuda'].reason}")
+        return _CUBLASLT
+    module = importlib.import_module(f"jax_w4a8._lib.{_MODULES['cuda'][0]}")
+    if not getattr(module, "built_with_cublaslt", lambda: False)():
+        _CUBLASLT = (0, "the library was built without cuBLASLt's header (pip install nvidia-cublas, then rebuild)")
+        return _CUBLASLT
+    version, why = module.load_cublaslt("")
+    for path in ([] if version else _cublaslt_candidates()):
+        version, why = module.load_cublaslt(path)
+        if version:
+            break
+    _CUBLASLT = (int(version), "" if version else why)
+    return _CUBLASLT
 
 
 _SOURCE_SUFFIXES = (".h", ".cc", ".cu", ".cuh")

@@ -358,11 +358,15 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
       kernel: the CUDA kernel family: None (the plan's choice), "native" (this library's kernels, tiles as
         ``tile_tokens``) or "cutlass" (CUTLASS's Hopper blockwise-scaled GEMM, 128 x 128 x 128 tiles: recipe
         (1, 128, 128), bfloat16 output, N a multiple of 8; the plan's choice where its tiles fill the GPU,
-        see :func:`jax_w4a8.tiling.plan_fp8_einsum`, when the library was built with CUTLASS).
+        see :func:`jax_w4a8.tiling.plan_fp8_einsum`, when the library was built with CUTLASS) or "cublas"
+        (opt-in: cuBLASLt's own block-scaled FP8 GEMM, cuBLAS >= 12.9 on compute capability 9.0, loaded from
+        JAX's CUDA plugin; recipe (1, 128, 128), bfloat16 output, ``"md,nd->mn"`` with M a multiple of 4 and N
+        a multiple of 16).
     Raises:
       TypeError / ValueError naming the argument, at trace time, before any kernel runs; for ``kernel``:
       an unknown value, or "cutlass" with per-row weight scales, float32 output, N not a multiple of 8 or
-      a library built without CUTLASS.
+      a library built without CUTLASS; "cublas" with those, more than one head, M not a multiple of 4, N not
+      a multiple of 16, or no cuBLASLt 12.9+ to load.
     """
     op = "fp8_einsum"
     rank = _parse_equation(equation)

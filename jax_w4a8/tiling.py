@@ -198,7 +198,7 @@ _DEFAULT_SMS = 132  # H100 / H200 SXM
 _MAX_PIECES = 8  # einsum stream-K: pieces per tile at most (H200: see module docstring)
 _SPARSE_BUSY = 0.9  # stream-K below this expected fraction of experts with rows (H200: see module docstring)
 _SPARSE_MIN_GROUPS = 32  # ... for tiles of at least this many K groups (H200: see module docstring)
-EINSUM_KERNELS = ("native", "cutlass")  # index = the fp8 einsum handler's `kernel` attribute
+EINSUM_KERNELS = ("native", "cutlass", "cublas")  # index = the fp8 einsum handler's `kernel` attribute
 CUTLASS_MIN_TOKENS = 128  # the einsum plan takes CUTLASS's blockwise kernel from this many rows per head
 _CUTLASS_MIN_TILES = 32  # ... and this many 128 x 128 output tiles (it runs no split-K; H200: see docstring)
 _CUTLASS_WAVE_TILES = 128  # from 64 rows per head: with a full wave of tiles and K >= 512 (H200: see docstring)
@@ -586,6 +586,43 @@ def _cutlass_scratch(m: int, h: int, n: int, k: int) -> int:
     return _align256(h * g * (-(-m // 4) * 4) * 4) + _align256(h * -(-n // 128) * g * 4)
 
 
+CUBLAS_WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace in the einsum's scratch (fp8_blockwise_cublas.cuh)
+
+
+def _cublas_scratch(m: int, n: int, k: int) -> int:
+    """Scratch of the cuBLASLt path (fp8_blockwise_cublas.cuh): float32 activation scales [G, M], float32 weight
+    scales [ceil(N/128), ceil4(G)], then cuBLASLt's workspace."""
+    g = k // 128
+    return _align256(g * m * 4) + _align256(-(-n // 128) * (-(-g // 4) * 4) * 4) + CUBLAS_WORKSPACE_BYTES
+
+
+def _cublas_unsupported(m: int, h: int, n: int, k: int, *, block_scaled: bool, out_bf16: bool,
+                        available: bool | None) -> str:
+    """Empty when cuBLASLt's block-scaled GEMM can run the einsum x [M, H, K], w [H, N, K], else why not (the
+    shape checks of ``CublasBlockwiseUnsupported`` in fp8_blockwise_cublas.cu; ``available`` None asks
+    :func:`jax_w4a8._ffi.cublaslt`)."""
+    if not block_scaled:
+        return "it needs recipe (1, 128, 128): w_scale [.., ceil(N/128), K/128]"
+    if not out_bf16:
+        return "it writes bfloat16 output only"
+    if h != 1:
+        return f"it runs one head (the \"md,nd->mn\" linears), got H = {h}"
+    if m % 4:
+        return f"it needs M (tokens) a multiple of 4, got {m}"
+    if n % 16:
+        return f"it needs N (output features) a multiple of 16, got {n}"
+    if max(m, n, k) >= 1 << 31:
+        return "its problem sizes are 32-bit (M, N and K below 2**31)"
+    if available is None:
+        from . import _ffi  # noqa: PLC0415 - the plan is also used without the CUDA module
+        version, why = _ffi.cublaslt()
+        if not version:
+            return why
+    elif not available:
+        return "cuBLASLt is not available"
+    return ""
+
+
 def _cutlass_unsupported(m: int, h: int, n: int, k: int, *, block_scaled: bool, out_bf16: bool, built: bool) -> str:
     """Empty when the CUTLASS kernel can run the einsum x [M, H, K], w [H, N, K], else why not
     (the same checks as ``CutlassBlockwiseUnsupported`` in fp8_blockwise_cutlass.cu)."""
@@ -604,24 +641,33 @@ def _cutlass_unsupported(m: int, h: int, n: int, k: int, *, block_scaled: bool, 
 
 def plan_fp8_einsum(m: int, h: int, n: int, k: int, *, block_scaled: bool = False,
                     tile_tokens: int | None = None, num_sms: int | None = None, kernel: str | None = None,
-                    out_bf16: bool = True, cutlass: bool | None = None) -> GemmPlan:
+                    out_bf16: bool = True, cutlass: bool | None = None, cublas: bool | None = None) -> GemmPlan:
     """Plan for ``fp8_einsum`` in canonical form: x [M, H, K], w [H, N, K].
 
     ``block_scaled``: one weight scale per 128 rows (recipe (1, 128, 128)); only then are 192-token
     tiles and the CUTLASS kernel available. ``tile_tokens=8`` is the decode kernel (M <= 32, no scratch).
     ``kernel``: None lets the plan choose (CUTLASS's blockwise kernel for block-scaled bf16 einsums with at
     least ``CUTLASS_MIN_TOKENS`` rows per head and 32 output tiles, or 64 rows with 128 tiles and K >= 512,
-    when built with it); "cutlass" or "native" forces one.
-    ``cutlass``: whether the library has the CUTLASS kernel (default: ask the built library).
+    when built with it); "cutlass" or "native" forces one; "cublas" (opt-in) runs cuBLASLt's block-scaled
+    FP8 GEMM (cuBLAS >= 12.9 on compute capability 9.0: recipe (1, 128, 128), bfloat16 output, one head,
+    M a multiple of 4, N a multiple of 16; :func:`_cublas_unsupported`).
+    ``cutlass`` / ``cublas``: whether the library has the CUTLASS kernel / can load cuBLASLt (default: ask
+    the built library, :func:`jax_w4a8._ffi.cublaslt`).
     Raises ValueError naming ``tile_tokens`` or ``kernel`` for a choice these shapes cannot run.
     """
     _check_sizes(m=m, h=h, n=n, k=k)
     tile_tokens, num_sms = _options(tile_tokens=tile_tokens, num_sms=num_sms)
     if kernel not in (None,) + EINSUM_KERNELS:
         raise ValueError(f"argument 'kernel' must be None or one of {EINSUM_KERNELS}, got {kernel!r}")
-    if kernel == "cutlass" and tile_tokens is not None:
-        raise ValueError("argument 'tile_tokens' selects this library's kernels; leave it None with kernel='cutlass'")
+    if kernel in ("cutlass", "cublas") and tile_tokens is not None:
+        raise ValueError(f"argument 'tile_tokens' selects this library's kernels; leave it None with "
+                         f"kernel={kernel!r}")
     tiles = h * -(-m // 128) * -(-n // 128)
+    if kernel == "cublas":
+        why = _cublas_unsupported(m, h, n, k, block_scaled=block_scaled, out_bf16=out_bf16, available=cublas)
+        if why:
+            raise ValueError(f"argument 'kernel'='cublas' cannot run this einsum: {why}")
+        return GemmPlan(128, 1, _cublas_scratch(m, n, k), tiles, kernel="cublas")
     wide = m >= CUTLASS_MIN_TOKENS and tiles >= _CUTLASS_MIN_TILES
     wave = m >= 64 and tiles >= _CUTLASS_WAVE_TILES and k >= 512
     if kernel == "cutlass" or (kernel is None and tile_tokens is None and block_scaled and (wide or wave)):

@@ -401,7 +401,65 @@ def test_cutlass_kernel_refuses_what_it_cannot_run(rng):
     with pytest.raises(ValueError, match="'kernel'='cutlass'"):
         ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, kernel="cutlass", out_dtype=jnp.float32)
     with pytest.raises(ValueError, match="'kernel'"):
-        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, kernel="cublas")
+        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, kernel="cudnn")
+
+
+@pytest.mark.parametrize("m, h, n, recipe, out_dtype, text", [
+    (300, 1, 256, "row", jnp.bfloat16, "recipe"),
+    (300, 1, 256, "block", jnp.float32, "bfloat16"),
+    (300, 2, 256, "block", jnp.bfloat16, "one head"),
+    (301, 1, 256, "block", jnp.bfloat16, "multiple of 4"),
+    (300, 1, 264, "block", jnp.bfloat16, "multiple of 16"),
+])
+def test_cublas_kernel_refuses_what_it_cannot_run(rng, m, h, n, recipe, out_dtype, text):
+    """kernel='cublas' names what cuBLASLt's block-scaled GEMM cannot run, at trace time."""
+    x8, sx, w8, sw = make_operands(rng, m, h, n, 256, recipe)
+    with pytest.raises(ValueError, match=f"'kernel'='cublas' cannot run this einsum: .*{text}"):
+        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, kernel="cublas", out_dtype=out_dtype)
+    with pytest.raises(ValueError, match="'tile_tokens'"):
+        ops.fp8_einsum("bhr,hdr->bhd", x8, sx, w8, sw, kernel="cublas", tile_tokens=128)
+
+
+def test_cublas_kernel_refuses_without_cublaslt(rng, monkeypatch):
+    """Without a cuBLASLt to load the plan says why, before anything compiles."""
+    from jax_w4a8 import _ffi
+    monkeypatch.setattr(_ffi, "_CUBLASLT", (0, "no cuBLASLt here"))
+    x8, sx, w8, sw = make_operands(rng, 8, 1, 256, 256)
+    with pytest.raises(ValueError, match="'kernel'='cublas' cannot run this einsum: no cuBLASLt here"):
+        ops.fp8_einsum("md,nd->mn", x8[:, 0], sx[:, 0], w8[0], sw[0], kernel="cublas")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k, encoding", [
+    (4, 16, 128, "f32"),           # smallest: one K block, ceil4(G) pads 1 -> 4
+    (132, 576, 640, "codes"),      # kv_a's N (a partial weight block), G = 5 (padded to 8)
+    (260, 1536, 1536, "e8m0fnu"),  # q_a-like
+    (1024, 2048, 2048, "f32"),
+    (2048, 7168, 7168, "codes"),   # DeepSeek-V3's square linear
+])
+def test_cublas_kernel_on_gpu(rng, device, m, n, k, encoding):
+    """kernel='cublas' (cuBLASLt's block-scaled FP8 GEMM): every element near float64 (the output is poisoned),
+    within twice the CUTLASS kernel's largest error on the same data, two calls bitwise equal."""
+    if device.platform != "gpu":
+        pytest.skip("the cuBLASLt path exists on the CUDA handler only")
+    from jax_w4a8 import _ffi
+    version, why = _ffi.cublaslt()
+    if not version:
+        pytest.skip(why)
+    x8, sx, w8, sw = make_operands(rng, m, 1, n, k, "block", ue8m0=encoding != "f32", spread=3.0)
+    args = (x8[:, 0], encode(sx[:, 0], encoding), w8[0], encode(sw[0], encoding))
+    fn = functools.partial(ops.fp8_einsum, "md,nd->mn", impl="ffi", kernel="cublas")
+    out = run_poisoned(fn, (m, n), jnp.bfloat16, args, device)
+    ref = np_ref.fp8_einsum_mhk(x8, sx, w8, sw)[:, 0]
+    assert np_ref.rel_err(out, ref) <= BF16_TOL
+    elem_tol = 8e-3 * np.abs(ref).max(axis=-1, keepdims=True)
+    bad = ~(np.abs(out - ref) <= elem_tol)
+    assert not bad.any(), f"{bad.sum()} elements off"
+    if _ffi.built_with_cutlass():
+        cutlass = functools.partial(ops.fp8_einsum, "md,nd->mn", impl="ffi", kernel="cutlass")
+        other = run_poisoned(cutlass, (m, n), jnp.bfloat16, args, device)
+        assert np.abs(out - ref).max() <= 2 * np.abs(other - ref).max() + 1e-30
+    np.testing.assert_array_equal(run_poisoned(fn, (m, n), jnp.bfloat16, args, device), out)
 
 
 def test_decode_kernel_takes_at_most_32_tokens(rng):

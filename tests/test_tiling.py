@@ -260,7 +260,17 @@ def test_block_scaled_bf16_einsum_plans_cutlass_from_its_row_threshold():
     with pytest.raises(ValueError, match="32-bit"):
         tiling.plan_fp8_einsum(2**25, 1, 128, 128 * 64, kernel="cutlass", **huge)
     with pytest.raises(ValueError, match="'kernel'"):
-        plan(4096, block_scaled=True, kernel="cublas")
+        plan(4096, block_scaled=True, kernel="cudnn")
+    # cuBLASLt's block-scaled GEMM: opt-in only (never the plan's own choice), one head, M % 4, N % 16.
+    assert plan(4096, block_scaled=True, cutlass=True, cublas=True).kernel == "cutlass"
+    assert plan(4096, block_scaled=True, cublas=True, kernel="cublas").kernel == "cublas"
+    for kw, why in ((dict(), "recipe"), (dict(out_bf16=False), "bfloat16"), (dict(n=7160), "multiple of 16"),
+                    (dict(m=4098), "multiple of 4"), (dict(cublas=False), "not available")):
+        kw = dict(dict(m=4096, block_scaled=True, cublas=True), **kw) if kw else dict(m=4096, cublas=True)
+        with pytest.raises(ValueError, match=f"'kernel'='cublas'.*{why}"):
+            plan(kernel="cublas", **kw)
+    with pytest.raises(ValueError, match="one head"):
+        tiling.plan_fp8_einsum(4096, 2, 7168, 7168, block_scaled=True, kernel="cublas", cublas=True)
 
 
 def test_stream_k_scratch_holds_partial_tiles_for_blocks_with_work():
@@ -420,8 +430,12 @@ def test_plans_hold_the_scratch_the_cuda_handlers_check():
         for block_scaled in (False, True):
             for cutlass in (False, True):
                 p = tiling.plan_fp8_einsum(mh, h, n, k, block_scaled=block_scaled, num_sms=SMS, cutlass=cutlass)
-                need = mod.fp8_einsum_scratch(mh, h, n, k, p.tile_tokens, p.split_k, p.kernel == "cutlass", True)
+                need = mod.fp8_einsum_scratch(mh, h, n, k, p.tile_tokens, p.split_k, p.kernel == "cutlass", True, False)
                 assert p.scratch_bytes == need if p.split_k == 1 else p.scratch_bytes >= need, (mh, h, n, k, p, need)
+        mc, nc = 4 * max(1, m // 4), 16 * max(1, n // 16)  # the cuBLASLt path's shapes (one head)
+        p = tiling.plan_fp8_einsum(mc, 1, nc, k, block_scaled=True, kernel="cublas", cublas=True)
+        assert p.kernel == "cublas"
+        assert p.scratch_bytes == mod.fp8_einsum_scratch(mc, 1, nc, k, 128, 1, False, True, True), (mc, nc, k, p)
 
 
 # The fp8 einsum decode kernel's launches for DeepSeek-V3's one-token linears on 132 SMs, the linears' grids as ncu

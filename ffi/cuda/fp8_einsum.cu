@@ -2,7 +2,8 @@
 // w [H, N, K] e4m3, scales float32 or UE8M0 codes, out [M, H, N] bf16/f32.
 //
 // Tensor-core paths (plan from jax_w4a8/tiling.py): kernel 1 is CUTLASS's blockwise-scaled GEMM of
-// fp8_blockwise_cutlass.cu (recipe (1, 128, 128), bf16 out; the prefill plan); with kernel 0, tile_tokens 8
+// fp8_blockwise_cutlass.cu (recipe (1, 128, 128), bf16 out; the prefill plan), kernel 2 cuBLASLt's of
+// fp8_blockwise_cublas.cu (the same recipe, one head, M a multiple of 4); with kernel 0, tile_tokens 8
 // is the decode kernel of fp8_decode_gemm.cu (M <= 32: warp MMAs, one launch, no scratch), 16 .. 192 the
 // TMA/wgmma kernel of hopper_gemm.cu. The simple CUDA-core kernel: a 16 x 64 tile per block and head,
 // float32 promotion per 128-K block (both scales applied with an FMA after each block), one output
@@ -15,6 +16,7 @@
 
 #include "../common/checks.h"
 #include "../common/formats.h"
+#include "fp8_blockwise_cublas.cuh"
 #include "fp8_blockwise_cutlass.cuh"
 #include "fp8_decode_gemm.cuh"
 #include "hopper_gemm.cuh"
@@ -111,7 +113,8 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
   Fp8EinsumDims d;
   if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
   if (split_k < 1 || split_k > d.groups) return Invalid("fp8_einsum", "split_k must be in [1, K/128]");
-  if (kernel != 0 && kernel != 1) return Invalid("fp8_einsum", "kernel must be 0 (this library's) or 1 (CUTLASS)");
+  if (kernel < 0 || kernel > 2)
+    return Invalid("fp8_einsum", "kernel must be 0 (this library's), 1 (CUTLASS) or 2 (cuBLASLt)");
   // An option error is an error (the simple kernel stands in only for what the platform cannot run).
   if (tile_tokens != 0 && tile_tokens != 8 && tile_tokens != 16 && tile_tokens != 32 && tile_tokens != 64 &&
       tile_tokens != 128 && tile_tokens != 192)
@@ -129,6 +132,21 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
                                    scratch->untyped_data(), scratch->size_bytes()};
     std::string why;
     if (!LaunchCutlassBlockwise(p, stream, &why)) return ffi::Error::Internal("fp8_einsum: CUTLASS kernel: " + why);
+    return ffi::Error::Success();
+  }
+  if (kernel == 2) {
+    if (d.w_rows_per_scale == 1 || !d.out_bf16)
+      return Invalid("fp8_einsum", "the cuBLASLt kernel needs recipe (1, 128, 128) and bfloat16 output");
+    if (std::string u = CublasBlockwiseUnsupported(d.m, d.h, d.n, d.k); !u.empty())
+      return Invalid("fp8_einsum", "the cuBLASLt kernel cannot run these shapes: " + u);
+    // cuBLASLt's block scaling runs on compute capability 9.0 only
+    if (!CurrentDeviceIsSm90()) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
+    const CublasBlockwiseParams p{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
+                                  static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(),
+                                  out->untyped_data(), d.m, d.n, d.k, d.x_scale_ue8m0, d.w_scale_ue8m0,
+                                  scratch->untyped_data(), scratch->size_bytes()};
+    std::string why;
+    if (!LaunchCublasBlockwise(p, stream, &why)) return ffi::Error::Internal("fp8_einsum: cuBLASLt: " + why);
     return ffi::Error::Success();
   }
   if (tile_tokens == 0) return LaunchSimple(stream, d, x, x_scale, w, w_scale, *out);
@@ -195,5 +213,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8Fp8EinsumCuda, jax_w4a8::Fp8EinsumCuda,
                                   .Ret<xla::ffi::AnyBuffer>()   // scratch (uint8, size from jax_w4a8.tiling)
                                   .Attr<int32_t>("tile_tokens")
                                   .Attr<int32_t>("split_k")
-                                  .Attr<int32_t>("kernel"),   // 0: tile_tokens picks; 1: CUTLASS blockwise
+                                  .Attr<int32_t>("kernel"),   // 0: tile_tokens picks; 1: CUTLASS; 2: cuBLASLt
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,148 @@
+"""Probe (not on main's code path): how fast is cuBLASLt's own DeepSeek-style block-scaled FP8 GEMM on this GPU?
+
+cuBLASLt (12.9 and later) takes per-128-K-group activation scales (``CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F``) and
+128 x 128 weight block scales (``BLK128x128_32F``) on Hopper. torch's ``_scaled_mm`` reaches them with
+"blockwise 1x128" / "128x128" scales. This script times, in one process and on the same data, for the einsum's
+``md,nd->mn`` linears at prefill sizes:
+
+  torch_blockwise   torch._scaled_mm, x [M, K] with 1x128 scales, w [N, K] with 128x128 block scales (cuBLASLt)
+  torch_per_tensor  torch._scaled_mm with scalar scales (the plain fp8 GEMM, as XLA's fp8 dot_general)
+  ours              jax_w4a8.ops.fp8_einsum("md,nd->mn", ...) with float32 scales (the plan's kernel)
+  ours_cublas       the same with kernel="cublas" (this library's cuBLASLt path: scale preparation + cuBLASLt)
+  xla_fp8           XLA dot_general e4m3 x e4m3 -> bf16
+
+Every case rotates through at least 200 MB of weights. Outputs are checked against a float64 reference on 64
+sampled rows. Run on the GPU machine from the repository root:
+
+    PYTHONPATH=$PWD python benchmarks/experiments/cublas_blockwise_probe.py [--ms 4096 16384] [--cases square o_proj]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import numpy as np  # noqa: E402
+
+LINEARS = {"q_a": (1536, 7168), "kv_a": (576, 7168), "square": (7168, 7168), "o_proj": (7168, 16384),
+           "mlp_up": (36864, 7168)}
+ROTATE_BYTES = 200 * 10**6
+
+
+def blockwise_mm(torch, a, b_t, sa, sb):
+    """torch._scaled_mm in its blockwise form: a [M, K] row-major e4m3, b_t [K, N] column-major (w [N, K] transposed),
+    sa [M, K/128] float32, sb [N/128, K/128] float32. Tries the layouts torch versions have asked for; returns
+    (fn, layout name) for the first that runs, or raises with every error."""
+    errors = []
+    m = a.shape[0]
+    variants = {
+        # 1x128: outer-dim (M) major; 128x128: the scale tensor of b = w^T, [K/128, N/128], from w's [N/128, K/128]
+        "sa M-major, sb (K/128, N/128) from w's": (sa.t().contiguous().t(), sb.t()),
+        "sa M-major, sb (N/128, K/128)": (sa.t().contiguous().t(), sb),
+        "sa M-major, sb (K/128, N/128) contiguous": (sa.t().contiguous().t(), sb.t().contiguous()),
+        "sa row-major, sb (K/128, N/128) from w's": (sa.contiguous(), sb.t()),
+    }
+    for name, (xa, xb) in variants.items():
+        try:
+            fn = lambda a=a, b=b_t, xa=xa, xb=xb: torch._scaled_mm(a, b, xa, xb, out_dtype=torch.bfloat16)
+            fn()
+            torch.cuda.synchronize()
+            return fn, name
+        except Exception as e:  # noqa: BLE001 - a probe: report every failure
+            errors.append(f"{name}: {type(e).__name__}: {str(e).splitlines()[0][:300]}")
+    raise RuntimeError(f"no blockwise layout ran (M={m}):\n  " + "\n  ".join(errors))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ms", type=int, nargs="+", default=[4096])
+    p.add_argument("--cases", nargs="+", default=["square", "o_proj", "q_a", "kv_a"], choices=list(LINEARS))
+    p.add_argument("--no-jax", action="store_true", help="time torch only")
+    args = p.parse_args()
+
+    import torch
+
+    import _common as C
+
+    print(f"torch {torch.__version__} cuda {torch.version.cuda} {torch.cuda.get_device_name()} "
+          f"cublasLt {torch._C._cuda_getCompiledVersion() if hasattr(torch._C, '_cuda_getCompiledVersion') else ''}",
+          flush=True)
+    if not args.no_jax:
+        import jax
+        import jax.numpy as jnp
+
+        from jax_w4a8 import ops, tiling
+    rng = np.random.default_rng(0)
+    fp8 = torch.float8_e4m3fn
+    for name in args.cases:
+        n, k = LINEARS[name]
+        sets = max(2, -(-ROTATE_BYTES // (n * k)))
+        ws = []
+        for _ in range(sets):
+            w = torch.randn(n, k, device="cuda") * 2.0
+            sw = torch.rand(-(-n // 128), k // 128, device="cuda") * 0.02 + 0.001
+            ws.append((w.clamp(-448, 448).to(fp8), sw))
+            del w
+        for m in args.ms:
+            x = (torch.randn(m, k, device="cuda") * 2.0).clamp(-448, 448).to(fp8)
+            sx = torch.rand(m, k // 128, device="cuda") * 0.02 + 0.001
+            row = dict(case=name, M=m, N=n, K=k)
+            # float64 reference on sampled rows, from the same codes and scales
+            pick = np.sort(rng.choice(m, size=min(m, 64), replace=False))
+            xs = (x[pick].double().reshape(len(pick), k // 128, 128) * sx[pick].double()[..., None]).reshape(len(pick), k)
+            wq, sw = ws[0]
+            sw_full = sw.double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)
+            ref = (xs @ (wq.double() * sw_full).t()).cpu().numpy()
+
+            def err(out):
+                got = out[pick].double().cpu().numpy()
+                return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+
+            try:
+                fn, layout = blockwise_mm(torch, x, wq.t(), sx, sw)
+                row["blockwise_layout"] = layout
+                row["blockwise_rel_err"] = err(fn())
+                fns = [blockwise_mm(torch, x, q.t(), sx, s)[0] for q, s in ws]
+                it = iter(range(1 << 62))
+                row["torch_blockwise_us"] = C.torch_bench(lambda: fns[next(it) % len(fns)](), n=20) * 1e6
+            except Exception as e:  # noqa: BLE001
+                row["torch_blockwise_error"] = str(e)
+            one = torch.ones((), device="cuda")
+            it2 = iter(range(1 << 62))
+            pt = lambda: torch._scaled_mm(x, ws[next(it2) % sets][0].t(), one, one, out_dtype=torch.bfloat16)
+            row["torch_per_tensor_us"] = C.torch_bench(pt, n=20) * 1e6
+            if not args.no_jax:
+                xj = jnp.asarray(x.view(torch.uint8).cpu().numpy()).view(jnp.float8_e4m3fn)
+                sxj = jnp.asarray(sx.cpu().numpy())
+                wj = [(jnp.asarray(q.view(torch.uint8).cpu().numpy()).view(jnp.float8_e4m3fn), jnp.asarray(s.cpu().numpy()))
+                      for q, s in ws]
+                ours = jax.jit(lambda a, sa, b, sb: ops.fp8_einsum("md,nd->mn", a, sa, b, sb))
+                out = np.asarray(ours(xj, sxj, *wj[0]).astype(jnp.float32))
+                row["ours_rel_err"] = float(np.linalg.norm(out[pick] - ref) / np.linalg.norm(ref))
+                row["ours_plan"] = str(tiling.plan_fp8_einsum(m, 1, n, k, block_scaled=True))
+                xla = jax.jit(lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                                                               preferred_element_type=jnp.bfloat16))
+                lt = jax.jit(lambda a, sa, b, sb: ops.fp8_einsum("md,nd->mn", a, sa, b, sb, kernel="cublas"))
+                out = np.asarray(lt(xj, sxj, *wj[0]).astype(jnp.float32))
+                row["ours_cublas_rel_err"] = float(np.linalg.norm(out[pick] - ref) / np.linalg.norm(ref))
+                pair = C.bench_alternating({"ours": (ours, [(xj, sxj, q, s) for q, s in wj]),
+                                            "ours_cublas": (lt, [(xj, sxj, q, s) for q, s in wj]),
+                                            "xla_fp8": (xla, [(xj, q) for q, _ in wj])})
+                for key2, t in pair.items():
+                    row[f"{key2}_us"] = t * 1e6
+                del xj, wj
+            flops = 2 * m * n * k
+            line = f"{name:7s} M={m:6d} N={n:6d} K={k:6d}"
+            for key in ("torch_blockwise_us", "torch_per_tensor_us", "ours_us", "ours_cublas_us", "xla_fp8_us"):
+                if key in row:
+                    line += f" | {key[:-3]} {row[key]:8.1f} us {flops / row[key] / 1e6:6.0f} TF"
+            print(line, flush=True)
+            print("   ", {k2: v for k2, v in row.items() if "err" in k2 or "layout" in k2 or "plan" in k2}, flush=True)
+        del ws
+
+
+if __name__ == "__main__":
+    main()
