@@ -57,6 +57,28 @@ def time_native_too(r, plan, fn, arg_sets, native_plan):
     r["native_plan"], r["native_us"] = plan_label(native_plan), C.bench(fn, arg_sets) * 1e6
 
 
+def time_cublas_too(r, plan, m, n, k, arg_sets):
+    """Where the plan runs CUTLASS on a linear, time the opt-in cuBLASLt path (``kernel="cublas"``) on the same data
+    as well, when cuBLASLt loads and takes these shapes (``cublas_us``; ``cublas_rel_err_vs_simple``)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_w4a8 import ops, tiling
+
+    if plan.kernel != "cutlass":
+        return
+    try:
+        tiling.plan_fp8_einsum(m, 1, n, k, block_scaled=True, kernel="cublas")
+    except ValueError as exc:
+        r["cublas_skipped"] = str(exc)
+        return
+    fn = jax.jit(lambda a, sa, c, sc: ops.fp8_einsum("md,nd->mn", a, sa, c, sc, kernel="cublas"))
+    r["cublas_us"] = C.bench(fn, arg_sets) * 1e6
+    got = fn(*arg_sets[0]).astype(jnp.float32)
+    ref = ops.fp8_einsum("md,nd->mn", *arg_sets[0], tile_tokens=0).astype(jnp.float32)
+    r["cublas_rel_err_vs_simple"] = float(jnp.linalg.norm(got - ref) / jnp.linalg.norm(ref))
+
+
 def xla_fp8_per_tensor(a, b):
     """The per-tensor fp8 peer of ``md,nd->mn``: XLA ``dot_general`` of e4m3 operands to bf16 (one cuBLASLt fp8 GEMM;
     a per-tensor scale is one of its scalar operands, free)."""
@@ -117,6 +139,7 @@ def run(args, on_row=None):
                      frac_copy_bw=n * k / t / bw)
             native = jax.jit(lambda a, sa, c, sc: ops.fp8_einsum("md,nd->mn", a, sa, c, sc, kernel="native"))
             time_native_too(r, plan, native, [(x8, xc, q, s) for q, s in w8], native_plan)
+            time_cublas_too(r, plan, m, n, k, [(x8, xc, q, s) for q, s in w8])
             peers = {}
             if args.peers == "none":
                 keep(r)
@@ -214,6 +237,7 @@ PEERS = ["xla_fp8_per_tensor", "xla_bf16", "dequant_bf16_matmul", "xla_jnp_quant
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
     native = f" | native {r['native_plan']} {r['native_us']:.1f} us" if "native_us" in r else ""
+    native += f" | cublas {r['cublas_us']:.1f} us" if "cublas_us" in r else ""
     return (f"{r['case']:13s} M={r['M']:6d} N={r['N']:6d} K={r['K']:6d} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
             f"err {r['rel_err_vs_simple']:.1e} | {peers}{native}")
@@ -221,7 +245,7 @@ def fmt_row(r):
 
 def report(payload):
     cols = ["case", "equation", "M or b", "N", "K", "plan", "us", "TFLOP/s", "GB/s (weights; quantizer: bytes moved)", "% copy BW"] + [
-        f"vs {p}" for p in PEERS] + ["this library's kernel (plan, us)"]
+        f"vs {p}" for p in PEERS] + ["this library's kernel (plan, us)", "cuBLASLt path (us)"]
     md = []
     for r in payload["rows"]:
         d = {"case": r["case"] + (f" (h={r['H']})" if "H" in r else ""), "equation": r["eq"], "M or b": r["M"],
@@ -232,6 +256,8 @@ def report(payload):
                 d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x"
         if "native_us" in r:
             d["this library's kernel (plan, us)"] = f"{r['native_plan']}, {r['native_us']:.1f}"
+        if "cublas_us" in r:
+            d["cuBLASLt path (us)"] = f"{r['cublas_us']:.1f}"
         md.append(d)
     body = (f"Measured {payload.get('date')} on {payload.get('device')} "
             f"(jax {payload.get('jax')}{C.build_note(payload)}), "
@@ -242,7 +268,8 @@ def report(payload):
             + (" (XLA fp8's over ours timed in interleaved rounds with it: `ours_us_beside_xla_fp8` in the JSON)"
                if any("ours_us_beside_xla_fp8" in r for r in payload["rows"]) else "") + "; "
             "plan `cutlass` = CUTLASS's blockwise-scaled GEMM (`kernel=\"cutlass\"`), with this library's own "
-            "kernel timed on the same data in the last column. GB/s: the fp8 weight bytes (scales excluded) over our "
+            "kernel timed on the same data in the next column, and the opt-in cuBLASLt path (`kernel=\"cublas\"`, "
+            "cuBLASLt's own block-scaled FP8 GEMM) in the last where it ran. GB/s: the fp8 weight bytes (scales excluded) over our "
             "time" + ("; each case rotates through weight sets (the quantizer: inputs) of at least "
                       f"{payload['rotate_bytes'] / 1e6:.0f} MB together, past the L2."
                       if "rotate_bytes" in payload else ".")
