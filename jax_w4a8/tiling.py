@@ -215,8 +215,8 @@ class GemmPlan:
     # multipliers, flag and folded codes at e4m3 128-token tiles; + split-K piece counters and partial tiles)
     units: int  # expected units of work
     mma: str = "e4m3"  # int4 weights: "e4m3" or "f16" tensor-core operands
-    kernel: str = "native"  # "native" (this library's kernels, by tile_tokens) or "cutlass"; the fused
-    # up-projection's plan: "fused" (its CUDA kernel, by tile_tokens) or "unfused" (the composed ops)
+    kernel: str = "native"  # "native" (this library's kernels, by tile_tokens), "cutlass", "cublas" (the einsum's,
+    # opt-in) or "decode"; the fused up-projection's plan: "fused" (its CUDA kernel, by tile_tokens) or "unfused"
     experts_per_chunk: int = 0  # grouped GEMM on CUTLASS: experts whose e4m3 weights share the scratch
 
 
@@ -591,9 +591,10 @@ CUBLAS_WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace in the einsum's scratc
 
 def _cublas_scratch(m: int, n: int, k: int) -> int:
     """Scratch of the cuBLASLt path (fp8_blockwise_cublas.cuh): float32 activation scales [G, M], float32 weight
-    scales [ceil(N/128), ceil4(G)], then cuBLASLt's workspace."""
+    scales [ceil(N/128), ceil4(G)], then cuBLASLt's workspace (from the next 256-byte boundary: 256 bytes of
+    slack)."""
     g = k // 128
-    return _align256(g * m * 4) + _align256(-(-n // 128) * (-(-g // 4) * 4) * 4) + CUBLAS_WORKSPACE_BYTES
+    return _align256(g * m * 4) + _align256(-(-n // 128) * (-(-g // 4) * 4) * 4) + 256 + CUBLAS_WORKSPACE_BYTES
 
 
 def _cublas_unsupported(m: int, h: int, n: int, k: int, *, block_scaled: bool, out_bf16: bool,

@@ -50,7 +50,9 @@ ScratchRegions Regions(int64_t m, int64_t n, int64_t k) {
 }  // namespace
 
 size_t CublasBlockwiseScratchBytes(int64_t m, int64_t n, int64_t k) {
-  return Regions(m, n, k).workspace + kCublasWorkspaceBytes;
+  // + 256: the workspace starts at the next 256-byte boundary (cublasLtMatmul's requirement), whatever the
+  // alignment of the buffer XLA hands over
+  return Regions(m, n, k).workspace + 256 + kCublasWorkspaceBytes;
 }
 
 std::string CublasBlockwiseUnsupported(int64_t m, int64_t h, int64_t n, int64_t k) {
@@ -104,7 +106,6 @@ constexpr size_t kMinVersion = 120900;  // VEC128_32F / BLK128x128_32F arrived i
 
 std::mutex g_mu;  // guards everything below
 CublasLt g_lt;
-std::string g_load_error = "cuBLASLt is not loaded yet";
 
 template <typename F>
 bool Resolve(void* lib, const char* name, F* fn, std::string* why) {
@@ -203,16 +204,22 @@ bool PlanLocked(const PlanKey& key, int64_t m, int64_t n, int64_t k, cublasLtHan
     return true;
   }
   Plan p;
+  auto destroy_layouts = [&p]() {
+    for (cublasLtMatrixLayout_t l : {p.a, p.b, p.d})
+      if (l) g_lt.layout_destroy(l);
+  };
   cublasStatus_t s;
   if ((s = g_lt.layout_create(&p.a, CUDA_R_8F_E4M3, k, n, k)) != CUBLAS_STATUS_SUCCESS ||
       (s = g_lt.layout_create(&p.b, CUDA_R_8F_E4M3, k, m, k)) != CUBLAS_STATUS_SUCCESS ||
       (s = g_lt.layout_create(&p.d, CUDA_R_16BF, n, m, n)) != CUBLAS_STATUS_SUCCESS) {
     *why = Status("cublasLtMatrixLayoutCreate", s);
+    destroy_layouts();
     return false;
   }
   cublasLtMatmulPreference_t pref = nullptr;
   if ((s = g_lt.pref_create(&pref)) != CUBLAS_STATUS_SUCCESS) {
     *why = Status("cublasLtMatmulPreferenceCreate", s);
+    destroy_layouts();
     return false;
   }
   const uint64_t ws = kCublasWorkspaceBytes;
@@ -229,7 +236,7 @@ bool PlanLocked(const PlanKey& key, int64_t m, int64_t n, int64_t k, cublasLtHan
   if (s != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
     *why = s != CUBLAS_STATUS_SUCCESS ? Status("cublasLtMatmulAlgoGetHeuristic", s)
                                       : "cuBLASLt has no block-scaled FP8 algorithm for these shapes on this GPU";
-    g_lt.layout_destroy(p.a), g_lt.layout_destroy(p.b), g_lt.layout_destroy(p.d);
+    destroy_layouts();
     return false;
   }
   p.algo = result.algo;
@@ -269,8 +276,12 @@ bool LaunchCublasBlockwise(const CublasBlockwiseParams& p, cudaStream_t stream, 
   auto* base = static_cast<uint8_t*>(p.scratch);
   float* sfx = reinterpret_cast<float*>(base + r.x_scales);
   float* sfw = reinterpret_cast<float*>(base + r.w_scales);
-  void* workspace = base + r.workspace;
-  if (Alignment(sfx) < 16 || Alignment(workspace) < 16) { *why = "scratch is not 16-byte aligned"; return false; }
+  void* workspace = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(base + r.workspace) + 255) / 256 * 256);
+  if (Alignment(sfx) < 16) { *why = "scratch is not 16-byte aligned"; return false; }
+  if (Alignment(p.x) < 16 || Alignment(p.w) < 16 || Alignment(p.out) < 16) {
+    *why = "x, w and the output must be 16-byte aligned for cuBLASLt's FP8 GEMM";
+    return false;
+  }
   const int64_t g = p.k / kGroup, wsn = (p.n + kGroup - 1) / kGroup;
   const int64_t total = g * p.m + wsn * Ceil4(g);
   const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4 * int64_t{CurrentSmCount()}));

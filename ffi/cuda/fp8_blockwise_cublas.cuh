@@ -36,7 +36,8 @@ size_t CublasBlockwiseLoad(const std::string& path, std::string* why);
 
 // Scratch: activation scales as float32 [G, M] (M fastest, cuBLASLt's VEC128 layout of its B operand), weight
 // scales as float32 [ceil(N/128), ceil4(G)] (K blocks fastest, rows padded to a multiple of 4 with zeros: its
-// BLK128x128 layout), then the workspace; each region 256-byte aligned. jax_w4a8.tiling mirrors this.
+// BLK128x128 layout), then the workspace (at the next 256-byte boundary: 256 bytes of slack); each region
+// 256-byte aligned relative to the scratch. jax_w4a8.tiling mirrors this.
 size_t CublasBlockwiseScratchBytes(int64_t m, int64_t n, int64_t k);
 
 // Empty when cuBLASLt's block-scaled GEMM can run these shapes, else why not.
