@@ -416,6 +416,7 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
     try:
         plan = tiling.plan_fp8_einsum(m, hh, n, k, block_scaled=block_scaled, tile_tokens=tile_tokens,
                                       kernel=kernel, out_bf16=out_dtype == jnp.bfloat16)
+        algo = tiling.cublas_algo() if plan.kernel == "cublas" else 0  # $JAX_W4A8_CUBLAS_ALGO, for sweeps
     except ValueError as exc:
         raise ValueError(f"{op}: {exc}") from None
     out_type = jax.ShapeDtypeStruct((m, hh, n), out_dtype)
@@ -428,7 +429,8 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
                                 (out_type, jax.ShapeDtypeStruct((plan.scratch_bytes,), jnp.uint8)),
                                 vmap_method="sequential")
         return call(*args, tile_tokens=np.int32(plan.tile_tokens), split_k=np.int32(plan.split_k),
-                    kernel=np.int32(tiling.EINSUM_KERNELS.index(plan.kernel)))[0]
+                    kernel=np.int32(tiling.EINSUM_KERNELS.index(plan.kernel)),
+                    cublas_algo=np.int32(algo))[0]
 
     def ref_fn(xv, xs, wv, ws):
         # The reference path scans traced codes as the CPU handler does (a host callback, as pack_ue8m0's

@@ -172,6 +172,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import jax
 import numpy as np
@@ -587,6 +588,25 @@ def _cutlass_scratch(m: int, h: int, n: int, k: int) -> int:
 
 
 CUBLAS_WORKSPACE_BYTES = 32 << 20  # cuBLASLt's workspace in the einsum's scratch (fp8_blockwise_cublas.cuh)
+CUBLAS_MAX_ALGOS = 16  # ... kCublasMaxAlgos: the heuristic results a call may choose among
+CUBLAS_ALGO_ENV = "JAX_W4A8_CUBLAS_ALGO"
+
+
+def cublas_algo() -> int:
+    """Which of cuBLASLt's heuristic results the einsum's ``kernel="cublas"`` path runs: 0 (its first choice), or
+    the index in ``$JAX_W4A8_CUBLAS_ALGO`` (read when an einsum is traced), for sweeps of its algorithms
+    (``benchmarks/experiments/cublas_blockwise_probe.py --algos``). Raises ValueError naming the variable for a
+    value that is not an int in [0, CUBLAS_MAX_ALGOS)."""
+    raw = os.environ.get(CUBLAS_ALGO_ENV, "").strip()
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value < CUBLAS_MAX_ALGOS:
+        raise ValueError(f"${CUBLAS_ALGO_ENV} must be an int in [0, {CUBLAS_MAX_ALGOS}), got {raw!r}")
+    return value
 
 
 def _cublas_scratch(m: int, n: int, k: int) -> int:

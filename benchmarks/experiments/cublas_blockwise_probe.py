@@ -61,6 +61,8 @@ def main():
     p.add_argument("--ms", type=int, nargs="+", default=[4096])
     p.add_argument("--cases", nargs="+", default=["square", "o_proj", "q_a", "kv_a"], choices=list(LINEARS))
     p.add_argument("--no-jax", action="store_true", help="time torch only")
+    p.add_argument("--algos", type=int, default=1,
+                   help="also time the cuBLASLt path with its heuristic's results 1 .. N-1 ($JAX_W4A8_CUBLAS_ALGO)")
     args = p.parse_args()
 
     import torch
@@ -133,6 +135,19 @@ def main():
                                             "xla_fp8": (xla, [(xj, q) for q, _ in wj])})
                 for key2, t in pair.items():
                     row[f"{key2}_us"] = t * 1e6
+                for a in range(1, args.algos):  # cuBLASLt's other heuristic results, each traced afresh
+                    os.environ["JAX_W4A8_CUBLAS_ALGO"] = str(a)
+                    try:
+                        la = jax.jit(lambda a_, sa, b, sb: ops.fp8_einsum("md,nd->mn", a_, sa, b, sb, kernel="cublas"))
+                        out = np.asarray(la(xj, sxj, *wj[0]).astype(jnp.float32))
+                        err_a = float(np.linalg.norm(out[pick] - ref) / np.linalg.norm(ref))
+                        t_a = C.bench(la, [(xj, sxj, q, s) for q, s in wj]) * 1e6
+                        print(f"    cublas algo {a}: {t_a:8.1f} us, rel err {err_a:.2e}", flush=True)
+                    except Exception as exc:  # noqa: BLE001 - past the heuristic's results: say so and stop
+                        print(f"    cublas algo {a}: {str(exc).splitlines()[0][:200]}", flush=True)
+                        break
+                    finally:
+                        os.environ.pop("JAX_W4A8_CUBLAS_ALGO", None)
                 del xj, wj
             flops = 2 * m * n * k
             line = f"{name:7s} M={m:6d} N={n:6d} K={k:6d}"

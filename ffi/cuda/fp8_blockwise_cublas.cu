@@ -165,7 +165,7 @@ struct Plan {
   cublasLtMatmulAlgo_t algo{};
   size_t workspace = 0;
 };
-using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int>;
+using PlanKey = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int>;  // ..., alignments, algo
 std::map<PlanKey, Plan> g_plans;
 std::map<int, cublasLtHandle_t> g_handles;
 
@@ -229,18 +229,21 @@ bool PlanLocked(const PlanKey& key, int64_t m, int64_t n, int64_t k, cublasLtHan
   g_lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
   g_lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d));
   g_lt.pref_set(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
-  cublasLtMatmulHeuristicResult_t result{};
+  cublasLtMatmulHeuristicResult_t results[kCublasMaxAlgos] = {};
+  const int algo = std::get<7>(key);
   int found = 0;
-  s = g_lt.heuristic(handle, desc, p.a, p.b, p.d, p.d, pref, 1, &result, &found);
+  s = g_lt.heuristic(handle, desc, p.a, p.b, p.d, p.d, pref, algo + 1, results, &found);
   g_lt.pref_destroy(pref);
-  if (s != CUBLAS_STATUS_SUCCESS || found == 0 || result.state != CUBLAS_STATUS_SUCCESS) {
+  if (s != CUBLAS_STATUS_SUCCESS || found <= algo || results[algo].state != CUBLAS_STATUS_SUCCESS) {
     *why = s != CUBLAS_STATUS_SUCCESS ? Status("cublasLtMatmulAlgoGetHeuristic", s)
-                                      : "cuBLASLt has no block-scaled FP8 algorithm for these shapes on this GPU";
+           : found == 0 ? "cuBLASLt has no block-scaled FP8 algorithm for these shapes on this GPU"
+                        : "cuBLASLt offers " + std::to_string(found) + " algorithms for these shapes; cublas_algo " +
+                              std::to_string(algo) + " is past them";
     destroy_layouts();
     return false;
   }
-  p.algo = result.algo;
-  p.workspace = result.workspaceSize;
+  p.algo = results[algo].algo;
+  p.workspace = results[algo].workspaceSize;
   *out = &g_plans.emplace(key, p).first->second;
   return true;
 }
@@ -257,6 +260,10 @@ size_t CublasBlockwiseLoad(const std::string& path, std::string* why) {
 
 bool LaunchCublasBlockwise(const CublasBlockwiseParams& p, cudaStream_t stream, std::string* why) {
   if (std::string u = CublasBlockwiseUnsupported(p.m, 1, p.n, p.k); !u.empty()) { *why = u; return false; }
+  if (p.algo < 0 || p.algo >= kCublasMaxAlgos) {
+    *why = "cublas_algo must be in [0, " + std::to_string(kCublasMaxAlgos) + ")";
+    return false;
+  }
   if (p.scratch_bytes < CublasBlockwiseScratchBytes(p.m, p.n, p.k)) {
     *why = "scratch output too small for the cuBLASLt plan";
     return false;
@@ -302,7 +309,7 @@ bool LaunchCublasBlockwise(const CublasBlockwiseParams& p, cudaStream_t stream, 
     ok = false;
   }
   Plan* plan = nullptr;
-  const PlanKey key{dev, p.m, p.n, p.k, Alignment(p.w), Alignment(p.x), Alignment(p.out)};
+  const PlanKey key{dev, p.m, p.n, p.k, Alignment(p.w), Alignment(p.x), Alignment(p.out), p.algo};
   if (ok) ok = PlanLocked(key, p.m, p.n, p.k, handle, desc, &plan, why);
   if (ok) {
     const float alpha = 1.0f, beta = 0.0f;

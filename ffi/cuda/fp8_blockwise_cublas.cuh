@@ -22,7 +22,11 @@ struct CublasBlockwiseParams {
   bool x_ue8m0, w_ue8m0;
   void* scratch;  // CublasBlockwiseScratchBytes(m, n, k) bytes
   size_t scratch_bytes;
+  int algo;  // which of cuBLASLt's heuristic results to run: 0 (its first choice) .. kCublasMaxAlgos - 1
 };
+
+// How many heuristic results a call may choose among (jax_w4a8.tiling.cublas_algo).
+constexpr int kCublasMaxAlgos = 16;
 
 // cuBLASLt's workspace inside the scratch (NVIDIA recommends 32 MiB on Hopper).
 constexpr size_t kCublasWorkspaceBytes = size_t{32} << 20;

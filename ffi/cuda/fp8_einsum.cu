@@ -109,7 +109,7 @@ ffi::Error LaunchSimple(cudaStream_t stream, const Fp8EinsumDims& d, const ffi::
 ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x_scale, ffi::AnyBuffer w,
                          ffi::AnyBuffer w_scale, ffi::Result<ffi::AnyBuffer> out,
                          ffi::Result<ffi::AnyBuffer> scratch, int32_t tile_tokens, int32_t split_k,
-                         int32_t kernel) {
+                         int32_t kernel, int32_t cublas_algo) {
   Fp8EinsumDims d;
   if (auto err = CheckFp8Einsum(x, x_scale, w, w_scale, *out, &d); err.failure()) return err;
   if (split_k < 1 || split_k > d.groups) return Invalid("fp8_einsum", "split_k must be in [1, K/128]");
@@ -144,7 +144,7 @@ ffi::Error Fp8EinsumCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer x
     const CublasBlockwiseParams p{static_cast<const uint8_t*>(x.untyped_data()), x_scale.untyped_data(),
                                   static_cast<const uint8_t*>(w.untyped_data()), w_scale.untyped_data(),
                                   out->untyped_data(), d.m, d.n, d.k, d.x_scale_ue8m0, d.w_scale_ue8m0,
-                                  scratch->untyped_data(), scratch->size_bytes()};
+                                  scratch->untyped_data(), scratch->size_bytes(), cublas_algo};
     std::string why;
     if (!LaunchCublasBlockwise(p, stream, &why)) return ffi::Error::Internal("fp8_einsum: cuBLASLt: " + why);
     return ffi::Error::Success();
@@ -213,5 +213,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8Fp8EinsumCuda, jax_w4a8::Fp8EinsumCuda,
                                   .Ret<xla::ffi::AnyBuffer>()   // scratch (uint8, size from jax_w4a8.tiling)
                                   .Attr<int32_t>("tile_tokens")
                                   .Attr<int32_t>("split_k")
-                                  .Attr<int32_t>("kernel"),   // 0: tile_tokens picks; 1: CUTLASS; 2: cuBLASLt
+                                  .Attr<int32_t>("kernel")    // 0: tile_tokens picks; 1: CUTLASS; 2: cuBLASLt
+                                  .Attr<int32_t>("cublas_algo"),  // kernel 2: which heuristic result
                               {xla::ffi::Traits::kCmdBufferCompatible});
