@@ -159,7 +159,7 @@ bool LoadLocked(const std::string& path, std::string* why) {
   return true;
 }
 
-// Per (device, M, N, K, alignments): the layouts and the heuristic's first algorithm.
+// Per (device, M, N, K, alignments, algo): the layouts and the heuristic's algo-th result (0: its first choice).
 struct Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
   cublasLtMatmulAlgo_t algo{};
