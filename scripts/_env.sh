@@ -39,8 +39,8 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   # CUTLASS headers for the fp8 einsum's prefill kernel (the wheel's Python deps are not needed to build)
   $PIP install -q --no-deps "nvidia-cutlass==4.2.0.0"
   # cuBLASLt's header for the fp8 einsum's cuBLASLt path (the library is loaded at run time: JAX's CUDA plugin
-  # depends on this wheel, so a GPU machine has it)
-  $PIP install -q --no-deps "nvidia-cublas==13.0.2.14"
+  # depends on this wheel, so a GPU machine has it, in the version JAX chose: never replaced here)
+  $PIP show -q nvidia-cublas >/dev/null 2>&1 || $PIP install -q --no-deps "nvidia-cublas==13.0.2.14"
   $PIP install -q --no-build-isolation -e "$ROOT[test]"
   if [ "$GPU" = 1 ] && $PIP show -q jax-cuda13-plugin >/dev/null 2>&1; then  # kept at jaxlib's (pinned) version
     $PIP install -q "jax[cuda13]" || echo "[jax_w4a8] warning: jax[cuda13] did not update" >&2

@@ -100,6 +100,18 @@ def test_built_with_cutlass_follows_the_cuda_module(monkeypatch):
     assert ffi.built_with_cutlass() is False
 
 
+def test_cublaslt_says_its_version_or_why_not(monkeypatch):
+    # (version, "") with a cuBLASLt that has block scaling (12.9+: its header's version numbering, 120900), else
+    # (0, a reason); a missing or disabled CUDA module is a reason, asked afresh once the cache is cleared.
+    import jax_w4a8._ffi as ffi
+    version, why = ffi.cublaslt()
+    assert (version >= 120900 and why == "") or (version == 0 and why), (version, why)
+    assert ffi.cublaslt() == (version, why)  # cached
+    monkeypatch.setattr(ffi, "_CUBLASLT", None)
+    monkeypatch.setitem(ffi._STATUS, "cuda", ffi.FfiAvailability("cuda", False, "disabled for the test"))
+    assert ffi.cublaslt() == (0, "the CUDA handlers are not available: disabled for the test")
+
+
 def test_source_fingerprint_follows_every_file(tmp_path):
     """The fingerprint recipe (CMakeLists.txt compiles the same into the modules): sha256sum lines, sorted."""
     import hashlib
