@@ -113,3 +113,24 @@ def run_poisoned(fn, out_shape, out_dtype, args, device, fill=None, jitted=None)
     if multi:
         return tuple(np.asarray(o) for o in outs)
     return np.asarray(out.astype(np.float32))
+
+
+def run_in_command_buffer(op, kernel, seed):
+    """``tests/command_buffer_case.py``'s JSON for ``op`` / ``kernel`` ("plan" for the plan's choice), run in a
+    fresh process that imports the package this process runs; fails unless XLA put the op's custom calls in a
+    command buffer (else the case would test nothing)."""
+    import json
+    import subprocess
+
+    import jax_w4a8
+
+    home = os.path.dirname(os.path.dirname(jax_w4a8.__file__))
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+           "PYTHONPATH": os.pathsep.join(p for p in (home, os.environ.get("PYTHONPATH")) if p)}
+    case = os.path.join(os.path.dirname(__file__), "command_buffer_case.py")
+    r = subprocess.run([sys.executable, case, op, kernel, str(seed)], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["command_buffer"], f"XLA recorded no custom call in a command buffer (the case tests nothing): {got}"
+    return got

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import np_ref
-from conftest import poisoned_jit, run_poisoned
+from conftest import poisoned_jit, run_in_command_buffer, run_poisoned
 from jax_w4a8 import ops, quant
 
 BF16_TOL = 4e-3
@@ -552,3 +552,20 @@ def test_constant_scales_captured_by_jit(rng):
     with pytest.raises(ValueError, match="'scale'"):
         jax.jit(lambda: ops.pack_ue8m0(inexact))()
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["cublas", "cutlass", "native"])
+def test_first_call_inside_a_command_buffer_on_gpu(rng, kernel):
+    """Four chained einsums in one jitted program that XLA records as a command buffer, in a fresh process: the
+    kernel's first call of the process is recorded into the graph (cuBLASLt's handle and plan made while XLA
+    captures the stream); the sum is near float64."""
+    from jax_w4a8 import _ffi
+    if kernel == "cublas" and not _ffi.cublaslt()[0]:
+        pytest.skip(_ffi.cublaslt()[1])
+    if kernel == "cutlass" and not _ffi.built_with_cutlass():
+        pytest.skip("built without CUTLASS")
+    if kernel in ("cublas", "cutlass") and str(getattr(jax.devices("gpu")[0], "compute_capability", "")) != "9.0":
+        pytest.skip("the block-scaled library kernels run on compute capability 9.0")
+    got = run_in_command_buffer("einsum", kernel, int(rng.integers(1 << 30)))
+    assert got["finite"] and got["rel_err"] <= BF16_TOL, got

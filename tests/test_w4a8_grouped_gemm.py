@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import np_ref
-from conftest import poisoned_jit, run_poisoned
+from conftest import poisoned_jit, run_in_command_buffer, run_poisoned
 from jax_w4a8 import ops, quant, tiling
 
 BF16_TOL = 4e-3  # SPEC section 7
@@ -838,3 +838,16 @@ def test_simple_kernel_refuses_more_column_tiles_than_its_grid(device):
     with pytest.raises(Exception, match="at most 65535 column tiles"):
         jax.block_until_ready(ops.w4a8_grouped_gemm(x8, jnp.float32(1.0), w, ws, jnp.asarray([1], jnp.int32),
                                                     tile_tokens=0, impl="ffi"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["plan", "decode", "cutlass"])
+def test_first_call_inside_a_command_buffer_on_gpu(rng, kernel):
+    """Four chained grouped GEMMs (8 experts, 248 rows and 8 padding rows) in one jitted program that XLA records
+    as a command buffer, in a fresh process: the kernel's first call of the process is recorded into the graph;
+    the sum is near float64."""
+    from jax_w4a8 import _ffi
+    if kernel == "cutlass" and not _ffi.built_with_cutlass():
+        pytest.skip("built without CUTLASS")
+    got = run_in_command_buffer("grouped_gemm", kernel, int(rng.integers(1 << 30)))
+    assert got["finite"] and got["rel_err"] <= BF16_TOL, got

@@ -1,0 +1,61 @@
+"""A case for tests that run in a fresh process: ``op`` (einsum or grouped_gemm) called four times on fresh
+activations in one jitted program that XLA records as a command buffer (a CUDA graph), so that the kernel's first
+call of the process (cuBLASLt's handle and plan, CUTLASS's set-up) happens while XLA captures the stream. Prints
+one JSON line: whether a custom call sits in a command buffer, the computations holding custom calls, and the sum's
+relative error against float64 (np_ref).
+
+    python tests/command_buffer_case.py einsum|grouped_gemm plan|KERNEL SEED
+"""
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
+                           " --xla_gpu_graph_min_graph_size=1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import np_ref  # noqa: E402
+from jax_w4a8 import ops, quant  # noqa: E402
+
+M, N, K, CALLS, EXPERTS = 256, 512, 512, 4, 8
+
+
+def case(op, kernel, rng):
+    """(one call of the op on (x8, sx) and the constants, its float64 reference on (x8, sx), the constants)."""
+    if op == "einsum":
+        w8, sw = quant.quantize_fp8_blocks(rng.standard_normal((N, K)).astype(np.float32))
+        return (lambda x8, sx, w8, sw: ops.fp8_einsum("md,nd->mn", x8, sx, w8, sw, kernel=kernel),
+                lambda x8, sx: np_ref.fp8_einsum_mhk(x8[:, None], sx[:, None], w8[None], sw[None])[:, 0], (w8, sw))
+    sizes = rng.multinomial(M - 8, np.ones(EXPERTS) / EXPERTS)  # 8 padding rows at the end
+    wq, ws = quant.quantize_w4(rng.standard_normal((EXPERTS, N, K)).astype(np.float32))
+    return (lambda x8, sx, wq, ws, gs: ops.w4a8_grouped_gemm(x8, sx, wq, ws, gs, kernel=kernel),
+            lambda x8, sx: np_ref.grouped_gemm(x8, sx, wq, ws, sizes), (wq, ws, jnp.asarray(sizes, jnp.int32)))
+
+
+def main(op, kernel, seed):
+    rng = np.random.default_rng(seed)
+    one, ref_one, consts = case(op, None if kernel == "plan" else kernel, rng)
+    xs = [quant.quantize_fp8_groups(rng.standard_normal((M, K)).astype(np.float32)) for _ in range(CALLS)]
+
+    def chain(xs, *consts):  # the calls, each scaled apart, summed: a fusion after the custom calls
+        return sum(one(x8, sx, *consts).astype(jnp.float32) * (i + 1) for i, (x8, sx) in enumerate(xs))
+
+    f = jax.jit(chain)
+    hlo = f.lower(xs, *consts).compile().as_text()
+    out = np.asarray(f(xs, *consts))  # the first call of the op in this process
+    ref = sum((i + 1) * ref_one(x8, sx) for i, (x8, sx) in enumerate(xs))
+    # the computations XLA made command buffers of, and whether the op's custom calls are among their commands
+    comps = hlo.split("\n\n")
+    buffers = [c for c in comps if c.lstrip().startswith(("%command_buffer", "command_buffer"))]
+    print(json.dumps({"command_buffer": any("custom-call(" in c for c in buffers),
+                      "custom_calls_in": [c.strip().splitlines()[0][:120] for c in comps if "custom-call(" in c],
+                      "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
+                      "finite": bool(np.isfinite(out).all())}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
