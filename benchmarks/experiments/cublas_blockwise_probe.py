@@ -17,10 +17,12 @@ sampled rows. Run on the GPU machine from the repository root:
     PYTHONPATH=$PWD python benchmarks/experiments/cublas_blockwise_probe.py [--ms 4096 16384] [--cases square o_proj]
 
 Sixty-first session (H100): the cuBLASLt path and torch run the same kernel
-(``nvjet_sm90_qqtst_128x128_128x6_1x2_h_bz_coopA_algo2_Ablk128_Bvec128_TNN``, the heuristic's only result); torch's
-lower times here came from its short timed rounds (the GPU below its power cap), not from a better algorithm. Use
-``--min-program-ms 60`` to time both frameworks in rounds long enough to reach the cap, ``--trace`` for the
-kernels' own times in the JAX loops, and ``one_gemm_ncu.py`` for each kernel alone under ``ncu``.
+(``nvjet_sm90_qqtst_128x128_128x6_1x2_h_bz_coopA_algo2_Ablk128_Bvec128_TNN``, the heuristic's only result; 328 us
+alone under ``ncu`` through either), so torch's lower times here come from how the loops load the GPU, not from a
+better algorithm: the kernel slows by about 9% over 160 back-to-back calls (the 700 W cap), torch's 20-call rounds
+read 328-336 us, its 60 ms rounds 348-363, and the interleaved JAX rounds, which keep the GPU busy for about a
+second, 384-421. ``--min-program-ms`` sets every timed round's length, ``--trace jax|torch`` gives the kernels' own
+times inside the loops, and ``one_gemm_ncu.py`` each kernel alone under ``ncu``.
 """
 from __future__ import annotations
 
