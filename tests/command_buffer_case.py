@@ -1,19 +1,23 @@
 """A case for tests that run in a fresh process: ``op`` (einsum or grouped_gemm) called four times on fresh
 activations in one jitted program that XLA records as a command buffer (a CUDA graph), so that the kernel's first
 call of the process (cuBLASLt's handle and plan, CUTLASS's set-up) happens while XLA captures the stream. Prints
-one JSON line: whether a custom call sits in a command buffer, the computations holding custom calls, and the sum's
-relative error against float64 (np_ref).
+one JSON line: the custom calls of XLA's final thunk sequence (all of them, and those inside command buffers), and
+the sum's relative error against float64 (np_ref).
 
     python tests/command_buffer_case.py einsum|grouped_gemm plan|KERNEL SEED
 """
+import atexit
 import glob
 import json
 import os
+import pathlib
+import re
 import shutil
 import sys
 import tempfile
 
 DUMP = tempfile.mkdtemp(prefix="command_buffer_case_")
+atexit.register(shutil.rmtree, DUMP, True)
 # command buffers of fusions and custom calls, however short; XLA's thunk sequence of the program dumped
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL"
                            f" --xla_gpu_graph_min_graph_size=1 --xla_dump_to={DUMP} --xla_dump_hlo_module_re=jit_chain")
@@ -41,19 +45,22 @@ def case(op, kernel, rng):
             lambda x8, sx: np_ref.grouped_gemm(x8, sx, wq, ws, sizes), (wq, ws, jnp.asarray(sizes, jnp.int32)))
 
 
-def custom_calls_in_command_buffers():
-    """How many custom calls XLA's final thunk sequence of the program runs inside command buffers: the indented
-    lines under a ``kCommandBuffer`` line of ``*jit_chain*.thunk_sequence_after_thunk_passes.txt`` (None: no dump)."""
+def custom_calls():
+    """(all, inside): the custom calls of XLA's final thunk sequence of the program, and those it runs inside
+    command buffers (the indented lines under a ``kCommandBuffer`` line) in the dumped
+    ``*jit_chain*.thunk_sequence_after_thunk_passes.txt``; (None, None) without the dump (no GPU)."""
     files = glob.glob(os.path.join(DUMP, "*jit_chain*thunk_sequence_after_thunk_passes.txt"))
     if not files:
-        return None
-    count, inside = 0, False
-    for line in open(files[0]).read().splitlines():
+        return None, None
+    total = inside = 0
+    in_buffer = False
+    for line in pathlib.Path(files[0]).read_text().splitlines():
         if not line.startswith(" "):
-            inside = "kCommandBuffer" in line
-        elif inside and "kCustomCall" in line:
-            count += 1
-    return count
+            in_buffer = "kCommandBuffer" in line
+        if re.match(r"\s*\d+: kCustomCall\b", line):
+            total += 1
+            inside += in_buffer and line.startswith(" ")
+    return total, inside
 
 
 def main(op, kernel, seed):
@@ -67,9 +74,8 @@ def main(op, kernel, seed):
     f = jax.jit(chain)
     out = np.asarray(f(xs, *consts))  # the first call of the op in this process
     ref = sum((i + 1) * ref_one(x8, sx) for i, (x8, sx) in enumerate(xs))
-    inside = custom_calls_in_command_buffers()
-    shutil.rmtree(DUMP, ignore_errors=True)
-    print(json.dumps({"custom_calls_in_command_buffers": inside,
+    total, inside = custom_calls()
+    print(json.dumps({"calls": CALLS, "custom_calls": total, "custom_calls_in_command_buffers": inside,
                       "rel_err": float(np.linalg.norm(out - ref) / np.linalg.norm(ref)),
                       "finite": bool(np.isfinite(out).all())}))
 

@@ -553,7 +553,6 @@ def test_constant_scales_captured_by_jit(rng):
         jax.jit(lambda: ops.pack_ue8m0(inexact))()
 
 
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["cublas", "cutlass", "native"])
 def test_first_call_inside_a_command_buffer_on_gpu(rng, kernel):

@@ -19,7 +19,7 @@ sampled rows. Run on the GPU machine from the repository root:
 Sixty-first session (H100): the cuBLASLt path and torch run the same kernel
 (``nvjet_sm90_qqtst_128x128_128x6_1x2_h_bz_coopA_algo2_Ablk128_Bvec128_TNN``, the heuristic's only result; 328 us
 alone under ``ncu`` through either), so torch's lower times here come from how the loops load the GPU, not from a
-better algorithm: the kernel slows by about 9% over 160 back-to-back calls (the 700 W cap), torch's 20-call rounds
+better algorithm: the kernel slows by about 10% over 160 back-to-back calls (the 700 W cap), torch's 20-call rounds
 read 328-336 us, its 60 ms rounds 348-363, and the interleaved JAX rounds, which keep the GPU busy for about a
 second, 384-421. ``--min-program-ms`` sets every timed round's length, ``--trace jax|torch`` gives the kernels' own
 times inside the loops, and ``one_gemm_ncu.py`` each kernel alone under ``ncu``.
@@ -96,13 +96,16 @@ def main():
                    help="each timed round lasts at least this long, torch's and JAX's alike (the GPU reaches its "
                         "power cap only in rounds of tens of ms: compare the frameworks at 50-100)")
     p.add_argument("--trace", choices=["jax", "torch"],
-                   help="also trace each JAX loop (or torch's blockwise loop: one profiler per process) once (JAX profiler, CUPTI): its kernels' times per call and the "
-                        "device's busy time against the span, to tell kernel time from gaps; XLA's command buffers "
-                        "are kept, as in the timed loops")
+                   help="also trace once, with one profiler per process: 'jax' each JAX loop (the JAX profiler, XLA's "
+                        "command buffers kept as in the timed loops): its kernels' times per call and the device's "
+                        "busy time against the span, to tell kernel time from gaps; 'torch' torch's blockwise loop "
+                        "(torch.profiler)")
     p.add_argument("--trace-calls", type=int, default=0,
                    help="calls in the traced loop (default two per weight set); with many (150 = about 60 ms), "
                         "the first and last tenth's kernel times show whether the kernel slows as the load lasts")
     args = p.parse_args()
+    if args.trace == "jax" and args.no_jax:
+        p.error("--trace jax needs the JAX loops: drop --no-jax")
 
     import torch
 
@@ -112,16 +115,17 @@ def main():
           f"cublasLt {torch._C._cuda_getCompiledVersion() if hasattr(torch._C, '_cuda_getCompiledVersion') else ''}",
           flush=True)
     if not args.no_jax:
-        if args.trace == "jax":
-            C.keep_command_buffers_while_profiling()  # before JAX's backend starts
+        if args.trace == "jax" and not C.keep_command_buffers_while_profiling():  # before JAX's backend starts
+            print("    note: XLA_FLAGS already set the command buffers off while profiling: traces run op by op",
+                  flush=True)
         import jax
         import jax.numpy as jnp
 
         from jax_w4a8 import ops, tiling
     rng = np.random.default_rng(0)
 
-    def torch_n(fn):  # calls per timed round: at least 20, and at least --min-program-ms
-        return max(20, int(np.ceil(args.min_program_ms / 1e3 / C.torch_bench(fn, n=5, rounds=1))))
+    def torch_n(fn):  # calls per timed round: at least 20 and --min-program-ms, at most 2000 (as the JAX loops)
+        return min(2000, max(20, int(np.ceil(args.min_program_ms / 1e3 / C.torch_bench(fn, n=5, rounds=1)))))
     fp8 = torch.float8_e4m3fn
     for name in args.cases:
         n, k = LINEARS[name]
@@ -153,9 +157,10 @@ def main():
                 row["blockwise_rel_err"] = err(fn())
                 fns = [blockwise_mm(torch, x, q.t(), sx, s)[0] for q, s in ws]
                 it = iter(range(1 << 62))
-                row["torch_blockwise_us"] = C.torch_bench(lambda: fns[next(it) % len(fns)](), n=torch_n(fns[0])) * 1e6
+                rotating = lambda: fns[next(it) % len(fns)]()  # noqa: E731 - every weight set, as timed
+                row["torch_blockwise_us"] = C.torch_bench(rotating, n=torch_n(rotating)) * 1e6
                 if args.trace == "torch":
-                    torch_trace(torch, lambda: fns[next(it) % len(fns)](), args.trace_calls or 2 * len(fns))
+                    torch_trace(torch, rotating, args.trace_calls or 2 * len(fns))
             except Exception as e:  # noqa: BLE001
                 row["torch_blockwise_error"] = str(e)
             one = torch.ones((), device="cuda")
@@ -195,7 +200,8 @@ def main():
                         drift = (f"; top kernel first / last tenth {np.median(top[:tenth]):.1f} / "
                                  f"{np.median(top[-tenth:]):.1f} us" if top else "")
                         print(f"    trace {key2} ({reps} calls): busy {busy:.1f} us / span {span:.1f} us per call; "
-                              + "; ".join(f"{r['family'][:60]} x{r['count']:.0f} {r['median_us']:.1f}" for r in rows[:4])
+                              + "; ".join(f"{r['family'][:60]} x{r['count']:.0f} {r['median_us']:.1f}"
+                                          for r in rows[:4])
                               + drift, flush=True)
                 for a in range(1, args.algos):  # cuBLASLt's other heuristic results, each traced afresh
                     os.environ["JAX_W4A8_CUBLAS_ALGO"] = str(a)
