@@ -195,7 +195,8 @@ def main():
                         jax.block_until_ready(many(*flat))
                         kernels = C.trace_kernels(lambda: many(*flat))
                         rows, busy, span = C.kernel_breakdown(kernels, reps)
-                        top = [d for _, nm, _, d in kernels if rows and C.kernel_family(nm) == rows[0]["family"]]
+                        top = [d for _, nm, _, d in sorted(kernels, key=lambda e: e[2])  # in time order
+                               if rows and C.kernel_family(nm) == rows[0]["family"]]
                         tenth = max(1, len(top) // 10)
                         drift = (f"; top kernel first / last tenth {np.median(top[:tenth]):.1f} / "
                                  f"{np.median(top[-tenth:]):.1f} us" if top else "")
