@@ -12,7 +12,7 @@ set -u
 OUT=${OUT:-/tmp/device_check}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD
-STEPS=${STEPS:-"sanitizer einsum_tests variant_tests variant_ab prefill decode_stalls decode_tiles variant_ncu l1_survey"}
+STEPS=${STEPS:-"cmdbuf sanitizer einsum_tests variant_tests variant_ab prefill decode_stalls decode_tiles variant_ncu l1_survey"}
 # Package copies whose _lib holds another build (carry them too; their steps are skipped when missing): BASE = main
 # before the forty-first session's int4 -> e4m3 selector change (.carry/variants/base). Recipe:
 # benchmarks/experiments/README.md.
@@ -40,6 +40,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit --format=csv,noh
 # Package copies carried packed (tar cJf .carry/bundle.tar.xz .carry/variants/...: the CUDA modules compress 5x, so
 # four copies fit a call's carry beside jax_w4a8/_lib) are unpacked here.
 [[ -f .carry/bundle.tar.xz ]] && tar xJf .carry/bundle.tar.xz
+# 0c. the kernels' first call of a process inside a command buffer XLA records (tests/command_buffer_case.py), five
+#     processes sharing the GPU as in the other GPU test runs (each child process inherits its shard's memory cap)
+step cmdbuf 150 python3 scripts/gpu_tests.py --shards 8 tests/test_fp8_einsum.py tests/test_w4a8_grouped_gemm.py \
+  -k first_call_inside -m gpu
 # 1. every handler under memcheck, racecheck and synccheck, the grouped decode kernel included, through the test
 #    that first fills a JAX compilation cache (run bare, the forty-first session's racecheck stopped while XLA loaded
 #    an executable under it, as in the eighteenth session)
