@@ -21,7 +21,8 @@ o_proj1, 7168 x 16384; o_proj16 / o_proj32 and kv_a64 / square64: the TMA kernel
 4096 tokens: the 192-token kernel), prefill4k_e4m3 / prefill4k_f16 / prefill16k_e4m3 / prefill16k_f16 (grouped
 gate+up at M = 4096 / 16384 on the 128-token kernel, e4m3 or f16 MMA), down4k_e4m3 (the down projection at M = 4096
 on the same kernel), prefill4k_fold / down4k_fold (the same two with UE8M0 activation scales: the folding e4m3
-kernel, launched with the plain one, which exits: take `--launch-skip 2`). Each runs twice, or `--calls N` times (the
+kernel, launched with the plain one, which exits: take `--launch-skip 2`), prefill16k_fold / down16k_fold (the
+same at M = 16384: how much of the call the preparation's folding pass takes there). Each runs twice, or `--calls N` times (the
 first call compiles), so `--launch-skip 1` takes the second launch.
 """
 
@@ -38,7 +39,8 @@ from jax_w4a8 import ops, quant, tiling  # noqa: E402
 from probe_kernels import _grouped_case  # noqa: E402
 
 GROUPED_CASES = ("top8_up1", "top8_down1", "decode64", "down64", "decode512", "down512", "fused64", "fused512", "fused1024", "prefill4k_e4m3", "prefill4k_f16",
-                 "prefill16k_e4m3", "prefill16k_f16", "down4k_e4m3", "prefill4k_fold", "down4k_fold")
+                 "prefill16k_e4m3", "prefill16k_f16", "down4k_e4m3", "prefill4k_fold", "down4k_fold", "prefill16k_fold",
+                 "down16k_fold")
 # einsum cases: (equation, activation shape, weight shape); the decode kernels' (one token) first
 EINSUM_CASES = {
     "absorb_o1": ("bhr,hdr->bhd", (1, 128, 512), (128, 128, 512)),  # MLA absorb_o, 128 heads
@@ -96,9 +98,11 @@ def build(case, key, tile_tokens=None, mma=None, kernel=None):
         return jax.jit(grouped), _grouped_case(key, 512, 7168, 2048, 0)
     if case in ("fused64", "fused512", "fused1024"):  # the fused up-projection on the gate+up weights (I = 2048)
         return jax.jit(ops.w4a8_moe_up), _grouped_case(key, int(case[5:]), 4096, 7168, 0)
-    if case in ("down4k_e4m3", "prefill4k_fold", "down4k_fold"):  # 128-token e4m3 kernel; fold: UE8M0 scales
+    if case in ("down4k_e4m3", "prefill4k_fold", "down4k_fold", "prefill16k_fold", "down16k_fold"):
+        # the 128-token e4m3 kernel; fold: UE8M0 scales
         f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=128, mma="e4m3")
-        x, xs, w, ws, gs = _grouped_case(key, 4096, 4096 if case.startswith("prefill") else 7168,
+        m = 16384 if "16k" in case else 4096
+        x, xs, w, ws, gs = _grouped_case(key, m, 4096 if case.startswith("prefill") else 7168,
                                          7168 if case.startswith("prefill") else 2048, 0)
         return jax.jit(f), (x, quant.ceil_to_ue8m0(xs) if case.endswith("fold") else xs, w, ws, gs)
     if case.startswith("prefill"):  # this library's 128-token grouped kernel (gate+up), either MMA format

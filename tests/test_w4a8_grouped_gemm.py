@@ -565,13 +565,15 @@ def _fold_flag(args, device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("groups", [1, 5, 9, 12])
+@pytest.mark.parametrize("groups", [1, 5, 9, 12, 16, 17, 56, 64, 65])
 @pytest.mark.parametrize("scale_kind", ["ue8m0", "tensor"])
 def test_folded_activations_any_group_count_on_gpu(rng, device, groups, scale_kind):
     """The preparation writes the folding kernel's activations a warp and eight K groups at a time (hopper_gemm.cu
     StoreFoldedKOrder): K group counts that are not multiples of four or eight, per-group UE8M0 scales (folded codes)
     and one per-tensor scale (the codes only reordered), against the unfolded kernel (e4m3 at 64-token tiles) on the
-    same data, where folding is exact, and against float64. 5 experts, 3 padding rows (not read)."""
+    same data, where folding is exact, and against float64. 5 experts, 3 padding rows (not read). Per-group scales
+    fold a row held in registers up to 16 groups (PrepareFoldHeldKernel<4>) and up to 64 (<16>), past 64 in the loop
+    that reads the codes twice (FoldTokenActivations)."""
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
     m, k, n, sizes = 203, 128 * groups, 136, [70, 0, 57, 1, 72]
@@ -605,8 +607,10 @@ def test_folded_activations_any_group_count_on_gpu(rng, device, groups, scale_ki
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("n, split", [(256, True), (8192, False)], ids=["split-k", "whole-k"])
-def test_folded_activation_scales_on_gpu(rng, device, n, split):
+@pytest.mark.parametrize("n, split, k", [(256, True, 512), (8192, False, 512), (256, True, 2560),
+                                         (8192, False, 2560), (256, True, 8448)],
+                         ids=["split-k", "whole-k", "split-k-20-groups", "whole-k-20-groups", "split-k-66-groups"])
+def test_folded_activation_scales_on_gpu(rng, device, n, split, k):
     """e4m3 at 128-token tiles folds each token's power-of-two scale ratios into its e4m3 codes and multiplies
     the token's largest scale in after the K loop (hopper_gemm.cu FoldTokenActivations); a call with any token
     it cannot fold runs the unfolded kernel. Every row vs float64 (2e-3 of the row's largest), and against the
@@ -615,11 +619,13 @@ def test_folded_activation_scales_on_gpu(rng, device, n, split):
     zero); a group of zero codes under a scale 2^12 above the others (the lift, j = 11, keeps the others' codes
     in e4m3's range; without it they would round to a few subnormals); per-token scales, one negative. Not
     folded (each in a call of its own): float32 ratios in one token, a zero per-token scale. Which kernel ran
-    is read from the scratch's flag; padding rows past the routed ones (with zero scales) are not checked.
+    is read from the scratch's flag; padding rows past the routed ones (with zero scales) are not checked. K of
+    4 groups and 20 groups (the preparation folds a row held in registers: PrepareFoldHeldKernel<4> and <16>) and
+    66 (past 64: FoldTokenActivations' loop).
     """
     if device.platform != "gpu":
         pytest.skip("tile configurations exist on the CUDA handler only")
-    m, k, sizes = 300, 512, [140, 0, 100, 60]
+    m, sizes = 300, [140, 0, 100, 60]
     plan = tiling.plan_grouped_gemm(m, len(sizes), n, k, tile_tokens=128, mma="e4m3")
     assert (plan.split_k > 1) == split
     fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=128, mma="e4m3")

@@ -196,6 +196,21 @@ ue8m0() {
 }
 export -f ue8m0
 step ue8m0 360 bash -c ue8m0
+# 5f. how much of a prefill call the preparation (the UE8M0 activations folded and reordered: a read and a write of x)
+#     takes at M = 4096 and 16384 (sixty-second session: sizes the case for a quantizer that writes the folded layout
+#     itself): every kernel of profile_case.py's second call with its duration. Not in the default STEPS:
+#     STEPS=prep_share (about 150 s on an H100).
+prep_share() {
+  local c
+  for c in ${PREP_CASES:-prefill4k_fold prefill16k_fold down16k_fold}; do
+    echo "## $c"
+    timeout --foreground 90 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --kernel-name regex:"PrepareActScales|HopperGemmKernel" python3 benchmarks/profile_case.py "$c" 2>&1 \
+      | grep -E "PrepareActScales|HopperGemmKernel<|gpu__time_duration" | sed -e "s/(CUtensorMap.*//" | tail -n 12
+  done
+}
+export -f prep_share
+step prep_share 300 bash -c prep_share
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
