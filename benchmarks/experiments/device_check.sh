@@ -205,8 +205,8 @@ prep_share() {
   for c in ${PREP_CASES:-prefill4k_fold prefill16k_fold down16k_fold}; do
     echo "## $c"
     timeout --foreground 90 ncu --clock-control none --metrics gpu__time_duration.sum \
-      --kernel-name regex:"PrepareActScales|HopperGemmKernel" python3 benchmarks/profile_case.py "$c" 2>&1 \
-      | grep -E "PrepareActScales|HopperGemmKernel<|gpu__time_duration" | sed -e "s/(CUtensorMap.*//" | tail -n 12
+      --kernel-name regex:"Prepare|HopperGemmKernel" python3 benchmarks/profile_case.py "$c" 2>&1 \
+      | grep -E "Prepare|HopperGemmKernel<|gpu__time_duration" | sed -e "s/(CUtensorMap.*//" | tail -n 12
   done
 }
 export -f prep_share

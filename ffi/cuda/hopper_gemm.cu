@@ -1639,10 +1639,21 @@ __device__ __forceinline__ int FoldLift(float s_max, float t, bool& fold) {
   return j;
 }
 
-// A 16-byte chunk of a group with scale s folded: its codes times r = (s / s_max) 2^j.
+// A 16-byte chunk of a group with scale s folded: its codes times r = (s / s_max) 2^j, rounded to f16 (2^-149 ..
+// 2^15, or 0). Where the token folds, s / s_max is +-2^d exactly (every nonzero |s| normal with s_max's mantissa,
+// s_max normal or 0), so r is built from the exponents: the value __float2half_rn(ldexpf(__fdiv_rn(s, s_max), j))
+// takes (+-2^(d + j) from 2^-24 up, +-0 below, 2^-25 rounding to even 0), without the division's and ldexpf's
+// instructions (16 per row and lane).
 __device__ __forceinline__ uint4 FoldChunk(uint4 v, float s, float s_max, int j) {
-  const float r = s_max > 0.0f ? ldexpf(__fdiv_rn(s, s_max), j) : 0.0f;  // 2^-149 .. 2^15, or 0
-  const uint32_t r2 = static_cast<uint32_t>(__half_as_ushort(__float2half_rn(r))) * 0x10001u;
+  uint32_t h = 0;  // s_max == 0: r = +0
+  if (s_max > 0.0f) {
+    h = (__float_as_uint(s) >> 16) & 0x8000u;  // +-0 for s = +-0 or below f16's smallest subnormal
+    const int d = static_cast<int>((__float_as_uint(s) >> 23) & 0xFFu) -
+                  static_cast<int>((__float_as_uint(s_max) >> 23) & 0xFFu) + j;  // <= j <= 15
+    if (s != 0.0f && d >= -14) h |= static_cast<uint32_t>(d + 15) << 10;
+    else if (s != 0.0f && d >= -24) h |= 1u << (d + 24);
+  }
+  const uint32_t r2 = h * 0x10001u;
   return uint4{ScaleE4m3x4(v.x, r2), ScaleE4m3x4(v.y, r2), ScaleE4m3x4(v.z, r2), ScaleE4m3x4(v.w, r2)};
 }
 
