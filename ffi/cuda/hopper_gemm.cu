@@ -1713,8 +1713,9 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
 // (lane / 8, lane % 8) loads chunk c of groups 4 i + q (i < kPasses) at once, computes the same largest product, lift,
 // multiplier and flag from them, and folds and stores them in StoreEightGroupsFolded's order, so that each code is
 // read once and all of a row's loads are in flight together. The loop above reads the codes twice, in dependent
-// passes of four groups: latency-bound, it moved a 16384 x 7168 call's activations at 1.6 TB/s (H100, 147 us;
-// sixty-second session). Same results, bit for bit.
+// passes of four groups: latency-bound, it moved a 16384 x 7168 call's activations at 1.6 TB/s. H100, ncu, the
+// preparation kernel alone (sixty-second session, benchmarks/NOTEBOOK.md), loop -> held: gate+up M = 4096 44 -> 33 us,
+// M = 16384 147 -> 104 us; down (16 groups) M = 16384 43 -> 31 us. Same results, bit for bit.
 template <int kPasses>
 __device__ void FoldTokenActivationsHeld(const void* src, ActScaleKind kind, int64_t row, int64_t head, int64_t h,
                                          int64_t groups, int64_t mp, const uint8_t* x, uint8_t* xf, float* tok_scale,
