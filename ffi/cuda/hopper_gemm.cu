@@ -1639,6 +1639,28 @@ __device__ __forceinline__ int FoldLift(float s_max, float t, bool& fold) {
   return j;
 }
 
+// The largest magnitude of a 16-byte chunk of e4m3 codes, as float (NaN where the chunk holds the NaN code: fmaxf
+// then skips the chunk, whose NaN reaches the output through its own products).
+__device__ __forceinline__ float ChunkMaxMagnitude(uint4 v) {
+  uint32_t m4 = __vmaxu4(__vmaxu4(v.x & 0x7F7F7F7Fu, v.y & 0x7F7F7F7Fu), __vmaxu4(v.z & 0x7F7F7F7Fu, v.w & 0x7F7F7F7Fu));
+  m4 = __vmaxu4(m4, m4 >> 16);
+  return E4m3MagnitudeToFloat(__vmaxu4(m4, m4 >> 8) & 0xFFu);
+}
+
+// The warp's largest |x * s| (t, each lane's part) and its fold verdict combined, the lift, the token's multiplier
+// (lane 0 writes it to *tok_scale_at) and the call's flag where the token does not fold; returns the lift.
+__device__ __forceinline__ int SettleFold(float s_max, float t, bool& fold, float* tok_scale_at, int* flag, int lane) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, off));
+  fold = __all_sync(0xffffffffu, fold);
+  const int j = FoldLift(s_max, t, fold);
+  if (lane == 0) {
+    *tok_scale_at = ldexpf(s_max, -j);
+    if (!fold) *flag = 1;
+  }
+  return j;
+}
+
 // A 16-byte chunk of a group with scale s folded: its codes times r = (s / s_max) 2^j, rounded to f16 (2^-149 ..
 // 2^15, or 0). Where the token folds, s / s_max is +-2^d exactly (every nonzero |s| normal with s_max's mantissa,
 // s_max normal or 0), so r is built from the exponents: the value __float2half_rn(ldexpf(__fdiv_rn(s, s_max), j))
@@ -1684,22 +1706,12 @@ __device__ void FoldTokenActivations(const void* src, ActScaleKind kind, int64_t
 #pragma unroll 4
     for (int64_t g = lane / 8; g < groups; g += 4) {
       const uint4 v = *reinterpret_cast<const uint4*>(xr + g * kKGroup + 16 * (lane % 8));
-      uint32_t m4 = __vmaxu4(__vmaxu4(v.x & 0x7F7F7F7Fu, v.y & 0x7F7F7F7Fu), __vmaxu4(v.z & 0x7F7F7F7Fu, v.w & 0x7F7F7F7Fu));
-      m4 = __vmaxu4(m4, m4 >> 16);
-      t = fmaxf(t, fabsf(ActScaleAt(src, kind, row, head, h, groups, g)) *
-                       E4m3MagnitudeToFloat(__vmaxu4(m4, m4 >> 8) & 0xFFu));
+      t = fmaxf(t, fabsf(ActScaleAt(src, kind, row, head, h, groups, g)) * ChunkMaxMagnitude(v));
     }
   } else {
     fold = false;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, off));
-  fold = __all_sync(0xffffffffu, fold);
-  const int j = FoldLift(s_max, t, fold);
-  if (lane == 0) {
-    tok_scale[head * mp + row] = ldexpf(s_max, -j);
-    if (!fold) *flag = 1;
-  }
+  const int j = SettleFold(s_max, t, fold, tok_scale + head * mp + row, flag, lane);
   if (!fold) return;
   // Eight groups per warp step, written in the folded K order.
   auto fold_chunk = [&](int64_t g) {
@@ -1752,22 +1764,12 @@ __device__ void FoldTokenActivationsHeld(const void* src, ActScaleKind kind, int
 #pragma unroll
     for (int i = 0; i < kPasses; ++i) {
       if (4 * i + q >= groups) continue;
-      uint32_t m4 = __vmaxu4(__vmaxu4(v[i].x & 0x7F7F7F7Fu, v[i].y & 0x7F7F7F7Fu),
-                             __vmaxu4(v[i].z & 0x7F7F7F7Fu, v[i].w & 0x7F7F7F7Fu));
-      m4 = __vmaxu4(m4, m4 >> 16);
-      t = fmaxf(t, fabsf(s[i]) * E4m3MagnitudeToFloat(__vmaxu4(m4, m4 >> 8) & 0xFFu));
+      t = fmaxf(t, fabsf(s[i]) * ChunkMaxMagnitude(v[i]));
     }
   } else {
     fold = false;
   }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) t = fmaxf(t, __shfl_xor_sync(0xffffffffu, t, off));
-  fold = __all_sync(0xffffffffu, fold);
-  const int j = FoldLift(s_max, t, fold);
-  if (lane == 0) {
-    tok_scale[head * mp + row] = ldexpf(s_max, -j);
-    if (!fold) *flag = 1;
-  }
+  const int j = SettleFold(s_max, t, fold, tok_scale + head * mp + row, flag, lane);
   if (!fold) return;
 #pragma unroll
   for (int i = 0; i < kPasses; i += 2) {
