@@ -10,7 +10,8 @@ of its tile configs), XLA ragged_dot (bf16, fp8, int4 dequantized to bf16 inside
 imports, torch._grouped_mm (bf16) and torch._scaled_grouped_mm (fp8). Our kernel applies the
 group-128 weight scales and the activation scales (``--x-scales``: per token and 128-channel group, powers of
 two (UE8M0, DeepSeek-V3.1's recipe; the default) or any float32, or one per tensor as W4AFP8 checkpoints' static
-input scales); the fp8 peers apply none.
+input scales); the fp8 peers apply none. ``--kernels`` adds to each row where a call's device time goes (each kernel
+family's time per call from one traced run of the timing loop: the scale / activation preparation, the GEMM, ...).
 """
 
 from __future__ import annotations
@@ -111,6 +112,8 @@ def run(args, on_row=None):
                      f"t{plan.tile_tokens}/s{plan.split_k}" + ("/f16" if plan.mma == "f16" else ""))
             r = dict(shape=shape, M=m, routing=routing, N=n, K=k, plan=label)
             t = C.bench(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)])
+            if getattr(args, "kernels", False):
+                r.update(call_kernels(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]))
             got = ours(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
             simple = ops.w4a8_grouped_gemm(x8, xs, w4[0], ws[0], sizes, tile_tokens=0).astype(jnp.float32)
             r["rel_err_vs_simple"] = float(jnp.linalg.norm(got - simple) / jnp.linalg.norm(simple))
@@ -254,6 +257,26 @@ def fused_mma_times(r):
     return {k[9:-3]: v for k, v in r.items() if re.fullmatch(r"fused_up_(e4m3|f16)_us", k)}
 
 
+def call_kernels(fn, arg_sets):
+    """Where one call's device time goes (--kernels): the timing loop's program traced once (JAX profiler, XLA's
+    command buffers kept), per call: ``kernels`` [{family, count, us}] (each kernel family's time, highest first:
+    the scale / activation preparation, the GEMM, a kernel that only checks a flag), ``kernel_busy_us`` (time some
+    kernel ran) and ``kernel_span_us`` (first start to last end). Empty on a backend without device events."""
+    loop, n = C._device_loop(fn, arg_sets, None, 5e-3, 200)
+    families, busy, span = C.kernel_breakdown(C.trace_kernels(loop), repeats=n)
+    return dict(kernels=[dict(family=f["family"], count=f["count"], us=f["us"]) for f in families],
+                kernel_busy_us=busy, kernel_span_us=span)
+
+
+def fmt_kernels(r):
+    """' | kernels per call: A 1290.1 us, B 104.2 us (busy 1399.0 of 1401.2 us)' for a row traced with --kernels."""
+    if not r.get("kernels"):
+        return ""
+    parts = ", ".join(f"{k['family']} {k['us']:.1f} us" + (f" x{k['count']:g}" if k["count"] != 1 else "")
+                      for k in r["kernels"][:4])
+    return f" | kernels per call: {parts} (busy {r['kernel_busy_us']:.1f} of {r['kernel_span_us']:.1f} us)"
+
+
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
     fused = (f" | fused up {r['fused_up_us']:.0f} us vs unfused {r['unfused_up_us']:.0f} us"
@@ -265,7 +288,7 @@ def fmt_row(r):
     tiles += "".join(f" | {k} kernel {v:.0f} us" for k, v in kernel_times(r).items())
     return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
-            f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}{tiles}")
+            f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}{tiles}{fmt_kernels(r)}")
 
 
 def report(payload, out):
@@ -366,6 +389,10 @@ def main():
                    help="fast: Pallas and torch only (XLA ragged_dot runs ~24 TFLOP/s and takes long)")
     p.add_argument("--tiles", type=int, nargs="*", default=[], choices=[8, 16, 32, 64, 128],
                    help="also time these token tiles for every case (the tile heuristic's alternatives)")
+    p.add_argument("--kernels", action="store_true",
+                   help="also trace each row's timing loop once (JAX profiler) and record where a call's device time "
+                        "goes: each kernel family's microseconds per call (the preparation, the GEMM, ...), busy and "
+                        "span")
     p.add_argument("--out", help="folder for JSON and PNG (default $OUT or benchmarks/out)")
     p.add_argument("--report", help="rewrite RESULTS.md and the plot from this JSON instead of measuring")
     args = p.parse_args()
@@ -373,6 +400,8 @@ def main():
         report(json.loads(pathlib.Path(args.report).read_text()), None)
         return
     out = C.out_dir(args.out)
+    if args.kernels:  # before JAX's backend starts: the traced loop then runs its CUDA graphs as the timed one does
+        C.keep_command_buffers_while_profiling()
     # grouped_gemm.json is rewritten after every row ("complete": false until the last), so a run stopped by a
     # device call's time limit keeps what it measured (--report renders it and says it stopped early)
     payload = run(args, on_row=lambda partial: C.save_json(out / "grouped_gemm.json", partial))
