@@ -10,7 +10,7 @@ of its tile configs), XLA ragged_dot (bf16, fp8, int4 dequantized to bf16 inside
 imports, torch._grouped_mm (bf16) and torch._scaled_grouped_mm (fp8). Our kernel applies the
 group-128 weight scales and the activation scales (``--x-scales``: per token and 128-channel group, powers of
 two (UE8M0, DeepSeek-V3.1's recipe; the default) or any float32, or one per tensor as W4AFP8 checkpoints' static
-input scales); the fp8 peers apply none. ``--kernels`` adds to each row where a call's device time goes (each kernel
+input scales); the fp8 peers apply none. ``--trace-kernels`` adds to each row where a call's device time goes (each kernel
 family's time per call from one traced run of the timing loop: the scale / activation preparation, the GEMM, ...).
 """
 
@@ -112,8 +112,8 @@ def run(args, on_row=None):
                      f"t{plan.tile_tokens}/s{plan.split_k}" + ("/f16" if plan.mma == "f16" else ""))
             r = dict(shape=shape, M=m, routing=routing, N=n, K=k, plan=label)
             t = C.bench(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)])
-            if getattr(args, "kernels", False):
-                r.update(call_kernels(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]))
+            if getattr(args, "trace_kernels", False):
+                r.update(trace_call(ours, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]))
             got = ours(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
             simple = ops.w4a8_grouped_gemm(x8, xs, w4[0], ws[0], sizes, tile_tokens=0).astype(jnp.float32)
             r["rel_err_vs_simple"] = float(jnp.linalg.norm(got - simple) / jnp.linalg.norm(simple))
@@ -257,24 +257,26 @@ def fused_mma_times(r):
     return {k[9:-3]: v for k, v in r.items() if re.fullmatch(r"fused_up_(e4m3|f16)_us", k)}
 
 
-def call_kernels(fn, arg_sets):
-    """Where one call's device time goes (--kernels): the timing loop's program traced once (JAX profiler, XLA's
-    command buffers kept), per call: ``kernels`` [{family, count, us}] (each kernel family's time, highest first:
-    the scale / activation preparation, the GEMM, a kernel that only checks a flag), ``kernel_busy_us`` (time some
-    kernel ran) and ``kernel_span_us`` (first start to last end). Empty on a backend without device events."""
+def trace_call(fn, arg_sets):
+    """Where one call's device time goes (--trace-kernels): the timing loop's program traced once (JAX profiler,
+    XLA's command buffers kept), per call: ``trace_kernels`` [{family, count, us}] (each kernel family's time,
+    highest first: the scale / activation preparation, the GEMM, a kernel that only checks a flag), ``trace_busy_us``
+    (time some kernel ran) and ``trace_span_us`` (first start to last end). Empty on a backend without device
+    events."""
     loop, n = C._device_loop(fn, arg_sets, None, 5e-3, 200)
     families, busy, span = C.kernel_breakdown(C.trace_kernels(loop), repeats=n)
-    return dict(kernels=[dict(family=f["family"], count=f["count"], us=f["us"]) for f in families],
-                kernel_busy_us=busy, kernel_span_us=span)
+    return dict(trace_kernels=[dict(family=f["family"], count=f["count"], us=f["us"]) for f in families],
+                trace_busy_us=busy, trace_span_us=span)
 
 
-def fmt_kernels(r):
-    """' | kernels per call: A 1290.1 us, B 104.2 us (busy 1399.0 of 1401.2 us)' for a row traced with --kernels."""
-    if not r.get("kernels"):
+def fmt_trace(r):
+    """' | kernels per call: A 1290.1 us, B 104.2 us (busy 1399.0 of 1401.2 us)' for a row traced with
+    --trace-kernels."""
+    if not r.get("trace_kernels"):
         return ""
     parts = ", ".join(f"{k['family']} {k['us']:.1f} us" + (f" x{k['count']:g}" if k["count"] != 1 else "")
-                      for k in r["kernels"][:4])
-    return f" | kernels per call: {parts} (busy {r['kernel_busy_us']:.1f} of {r['kernel_span_us']:.1f} us)"
+                      for k in r["trace_kernels"][:4])
+    return f" | kernels per call: {parts} (busy {r['trace_busy_us']:.1f} of {r['trace_span_us']:.1f} us)"
 
 
 def fmt_row(r):
@@ -288,7 +290,7 @@ def fmt_row(r):
     tiles += "".join(f" | {k} kernel {v:.0f} us" for k, v in kernel_times(r).items())
     return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
             f"{r['TFLOPs']:7.1f} TFLOP/s {r['weight_GBps']:7.0f} GB/s ({100 * r['frac_copy_bw']:5.1f}% copy) "
-            f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}{tiles}{fmt_kernels(r)}")
+            f"err {r['rel_err_vs_simple']:.1e} | {peers}{fused}{tiles}{fmt_trace(r)}")
 
 
 def report(payload, out):
@@ -389,7 +391,7 @@ def main():
                    help="fast: Pallas and torch only (XLA ragged_dot runs ~24 TFLOP/s and takes long)")
     p.add_argument("--tiles", type=int, nargs="*", default=[], choices=[8, 16, 32, 64, 128],
                    help="also time these token tiles for every case (the tile heuristic's alternatives)")
-    p.add_argument("--kernels", action="store_true",
+    p.add_argument("--trace-kernels", action="store_true",
                    help="also trace each row's timing loop once (JAX profiler) and record where a call's device time "
                         "goes: each kernel family's microseconds per call (the preparation, the GEMM, ...), busy and "
                         "span")
@@ -400,7 +402,7 @@ def main():
         report(json.loads(pathlib.Path(args.report).read_text()), None)
         return
     out = C.out_dir(args.out)
-    if args.kernels:  # before JAX's backend starts: the traced loop then runs its CUDA graphs as the timed one does
+    if args.trace_kernels:  # before JAX's backend starts: the traced loop then runs its CUDA graphs as the timed one does
         C.keep_command_buffers_while_profiling()
     # grouped_gemm.json is rewritten after every row ("complete": false until the last), so a run stopped by a
     # device call's time limit keeps what it measured (--report renders it and says it stopped early)

@@ -343,8 +343,8 @@ def test_bench_grouped_gemm_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypa
     assert "stopped early" not in (tmp_path / "RESULTS.md").read_text()
 
 
-def test_bench_grouped_gemm_kernels_option_reports_each_kernel_family_per_call(tmp_path, monkeypatch):
-    """--kernels traces a row's timing loop once and records each kernel family's time per call, the busy time and
+def test_bench_grouped_gemm_trace_kernels_reports_each_kernel_family_per_call(tmp_path, monkeypatch):
+    """--trace-kernels traces a row's timing loop once and records each kernel family's time per call, the busy time and
     the span (what fmt_row prints after the row). On the CPU backend the profiler records no device kernels: the
     row says so with an empty list, and a recorded trace (two calls of two kernels, one family per kernel) is
     divided by the loop's calls."""
@@ -355,9 +355,11 @@ def test_bench_grouped_gemm_kernels_option_reports_each_kernel_family_per_call(t
     _one_call_timing(monkeypatch, C)
     monkeypatch.setattr(bench, "SHAPES", {"down": (256, 256)})
     args = argparse.Namespace(ms=[16], quick=False, no_torch=True, x_scales="ue8m0", peers="none", tiles=[],
-                              kernels=True)
+                              trace_kernels=True)
     (row,) = bench.run(args)["rows"]
-    assert row["kernels"] == [] and row["kernel_busy_us"] == 0.0 and "kernels per call" not in bench.fmt_row(row)
+    assert row["trace_kernels"] == [] and row["trace_busy_us"] == 0.0
+    assert "kernels per call" not in bench.fmt_row(row)
+    assert set(bench.kernel_times(row)) == {"decode8", "decode16"}  # the other kernels' timings: not the trace's
     stream = (1, 7)
     trace = [(stream, "void (anonymous namespace)::PrepareFoldHeldKernel<16>(const void*)", 0.0, 30.0),
              (stream, "void (anonymous namespace)::HopperGemmKernel<128, true>(KernelArgs)", 31.0, 400.0),
@@ -366,11 +368,14 @@ def test_bench_grouped_gemm_kernels_option_reports_each_kernel_family_per_call(t
     monkeypatch.setattr(C, "trace_kernels", lambda thunk: trace)
     monkeypatch.setattr(C, "_device_loop", lambda fn, sets, n, min_s, max_n: ((lambda: 0.0), 2))
     (row,) = bench.run(args)["rows"]
-    assert [(k["family"], k["count"], k["us"]) for k in row["kernels"]] == [
+    assert [(k["family"], k["count"], k["us"]) for k in row["trace_kernels"]] == [
         ("HopperGemmKernel", 1.0, 405.0), ("PrepareFoldHeldKernel", 1.0, 32.0)]
-    assert row["kernel_busy_us"] == pytest.approx(437.0) and row["kernel_span_us"] == pytest.approx(472.5)
-    assert "kernels per call: HopperGemmKernel 405.0 us, PrepareFoldHeldKernel 32.0 us (busy 437.0 of 472.5 us)" \
-        in bench.fmt_row(row)
+    assert row["trace_busy_us"] == pytest.approx(437.0) and row["trace_span_us"] == pytest.approx(472.5)
+    assert set(bench.kernel_times(row)) == {"decode8", "decode16"}
+    line = bench.fmt_row(row)
+    assert line.endswith(" | kernels per call: HopperGemmKernel 405.0 us, PrepareFoldHeldKernel 32.0 us "
+                         "(busy 437.0 of 472.5 us)"), line
+    assert "busy kernel" not in line and "span kernel" not in line
 
 
 def test_bench_fp8_einsum_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypatch):

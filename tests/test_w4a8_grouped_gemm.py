@@ -645,6 +645,12 @@ def test_folded_activation_scales_on_gpu(rng, device, n, split, k):
     out = run(args)
     base = np.asarray(jax.jit(unfolded)(*[jax.device_put(a, device) for a in args]))
     np.testing.assert_allclose(out, base, rtol=0, atol=2e-5 * np.abs(base).max())
+    # float32 group scales that are powers of two, some negative and one -0.0: folded (the ratio's sign and zero
+    # come from the scale's bits, hopper_gemm.cu FoldChunk)
+    signed = np.array(args[1], np.float32)
+    signed[::7, 1] *= -1.0
+    signed[5, 2] = -0.0
+    run([args[0], jnp.asarray(signed)] + list(args[2:]))
 
     spread = _ue8m0_case(rng, m, k, n, sizes, 28)
     run(spread)

@@ -1597,7 +1597,7 @@ __device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
 // per group, the former scheme, took 58 us for M = 4096, K = 7168 on the H200). dst: the group's folded codes (nullptr: none for this lane's group);
 // every lane of the warp calls it.
 constexpr int kFoldStageWords = 4 * 40;
-constexpr int kPrepThreads = 256;  // PrepareActScalesKernel's block
+constexpr int kPrepThreads = 256;  // PrepareActScalesKernel's and PrepareFoldHeldKernel's block
 constexpr size_t kPrepFoldSmemBytes = kPrepThreads / 32 * 2 * kFoldStageWords * sizeof(uint32_t);  // 2 per warp
 __device__ __forceinline__ void StoreFoldedKOrder(uint4 v, uint8_t* dst, uint32_t* stage, int lane) {
   const int q = lane / 8, c = lane % 8;
@@ -1661,10 +1661,10 @@ __device__ __forceinline__ int SettleFold(float s_max, float t, bool& fold, floa
   return j;
 }
 
-// A 16-byte chunk of a group with scale s folded: its codes times r = (s / s_max) 2^j, rounded to f16 (2^-149 ..
-// 2^15, or 0). Where the token folds, s / s_max is +-2^d exactly (every nonzero |s| normal with s_max's mantissa,
+// A 16-byte chunk of a group with scale s folded: its codes times r = (s / s_max) 2^j, rounded to f16 (+-2^-24 ..
+// 2^15, or +-0). Where the token folds, s / s_max is +-2^e exactly (every nonzero |s| normal with s_max's mantissa,
 // s_max normal or 0), so r is built from the exponents: the value __float2half_rn(ldexpf(__fdiv_rn(s, s_max), j))
-// takes (+-2^(d + j) from 2^-24 up, +-0 below, 2^-25 rounding to even 0), without the division's and ldexpf's
+// takes (+-2^d, d = e + j, from 2^-24 up; +-0 below, 2^-25 rounding to even 0), without the division's and ldexpf's
 // instructions (16 per row and lane).
 __device__ __forceinline__ uint4 FoldChunk(uint4 v, float s, float s_max, int j) {
   uint32_t h = 0;  // s_max == 0: r = +0
@@ -1891,7 +1891,7 @@ __device__ __forceinline__ void PrepareActScales(const void* src, ActScaleKind k
 __global__ void PrepareActScalesKernel(JAX_W4A8_PREP_PARAMS) { PrepareActScales<0>(JAX_W4A8_PREP_ARGS); }
 
 // 16 chunks held per lane (K <= 8192) take about 164 registers unbounded (one block of 8 warps per SM); two blocks
-// per SM cap them at 128 (a few bytes spilled outside the loads).
+// per SM cap them at 128 (no spills). Four chunks per lane fit three blocks (72 registers).
 template <int kHeld>
 __global__ void __launch_bounds__(kPrepThreads, kHeld > 4 ? 2 : 3) PrepareFoldHeldKernel(JAX_W4A8_PREP_PARAMS) {
   PrepareActScales<kHeld>(JAX_W4A8_PREP_ARGS);
