@@ -198,13 +198,14 @@ export -f ue8m0
 step ue8m0 360 bash -c ue8m0
 # 5f. how much of a prefill call the preparation (the UE8M0 activations folded and reordered: a read and a write of x)
 #     takes at M = 4096 and 16384 (sixty-second session: sizes the case for a quantizer that writes the folded layout
-#     itself): every kernel of profile_case.py's second call with its duration. Not in the default STEPS:
-#     STEPS=prep_share (about 150 s on an H100).
+#     itself): every kernel of profile_case.py's second call with its duration; PREP_PACKAGE=FOLDER times a package
+#     copy's build instead of main's (e.g. .carry/variants/asyncfold). Not in the default STEPS: STEPS=prep_share
+#     (about 60 s on an H100).
 prep_share() {
   local c
   for c in ${PREP_CASES:-prefill4k_fold prefill16k_fold down16k_fold}; do
     echo "## $c"
-    timeout --foreground 90 ncu --clock-control none --metrics gpu__time_duration.sum \
+    PYTHONPATH=${PREP_PACKAGE:-$PWD} timeout --foreground 90 ncu --clock-control none --metrics gpu__time_duration.sum \
       --kernel-name regex:"Prepare|HopperGemmKernel" python3 benchmarks/profile_case.py "$c" 2>&1 \
       | grep -E "Prepare|HopperGemmKernel<|gpu__time_duration" | sed -e "s/(CUtensorMap.*//" | tail -n 12
   done
