@@ -212,6 +212,26 @@ prep_share() {
 }
 export -f prep_share
 step prep_share 300 bash -c prep_share
+# 5g. the fold preparation, next (sixty-second session; experiments README 0d / 0e): main's fold GPU tests (a case
+#     added after the last GPU run), ASYNC_FOLD's (default .carry/variants/asyncfold, prep_async_fold.patch) with its
+#     package in place, the preparation's time for both (prep_share), then the prefill A/B of the two builds. Not in
+#     the default STEPS: STEPS=fold_next (about 420 s on an H100; carry jax_w4a8/_lib and the variant).
+fold_next() {
+  timeout --foreground 100 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py -k fold -m gpu 2>&1 \
+    | tail -n 7
+  [[ -d $ASYNC_FOLD/jax_w4a8/_lib ]] || { echo "no $ASYNC_FOLD: main's tests and preparation only"; prep_share; return; }
+  package_in "$ASYNC_FOLD"
+  echo "## $ASYNC_FOLD: fold tests"
+  timeout --foreground 100 python3 scripts/gpu_tests.py --shards 8 tests/test_w4a8_grouped_gemm.py -k fold -m gpu 2>&1 \
+    | tail -n 7
+  package_out
+  echo "## main" && prep_share
+  echo "## $ASYNC_FOLD" && PREP_PACKAGE=$PWD/$ASYNC_FOLD prep_share
+  timeout --foreground 150 python3 benchmarks/ab_builds.py main=. async="$ASYNC_FOLD" --cases prefill --rounds 2 \
+    --deadline 140 2>&1 | tail -n 12
+}
+export -f fold_next && export ASYNC_FOLD=${ASYNC_FOLD:-.carry/variants/asyncfold}
+step fold_next 540 bash -c fold_next
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
