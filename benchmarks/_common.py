@@ -290,6 +290,14 @@ def trace_kernels(thunk, device=None):
             return device_kernels(json.load(f), device)
 
 
+def loop_kernel_breakdown(fn, arg_sets, min_program_s=5e-3, max_n=200):
+    """:func:`kernel_breakdown` per call of ``fn`` in :func:`bench`'s device loop over ``arg_sets`` (its program of
+    chained calls traced once with :func:`trace_kernels`): (rows, busy_us, span_us) per call, ([], 0.0, 0.0) on a
+    backend without device events."""
+    run, n = _device_loop(fn, arg_sets, None, min_program_s, max_n)
+    return kernel_breakdown(trace_kernels(run), repeats=n)
+
+
 def summarize_kernels(kernels):
     """Per kernel name: (count, median duration, median gap to the next kernel on its stream), in microseconds;
     the gap is None for a kernel that is never followed on its stream."""

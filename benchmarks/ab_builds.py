@@ -174,9 +174,8 @@ def worker(folder, names, timings, build_only=False, kernel_time=False):
         out = np.asarray(jax.jit(fn)(*sets[0]), np.float32)
         row = {"case": label, "us": times, "checksum": float(np.abs(out).sum())}
         if kernel_time:
-            run, n = C._device_loop(fn, sets, None, 5e-3, 200)
-            kernels = C.trace_kernels(run)
-            row["kernel_us"] = C.kernel_breakdown(kernels, repeats=n)[1] if kernels else None
+            families, busy, _ = C.loop_kernel_breakdown(fn, sets)
+            row["kernel_us"] = busy if families else None
         print(json.dumps(row), flush=True)
     return 0
 

@@ -263,8 +263,7 @@ def trace_call(fn, arg_sets):
     highest first: the scale / activation preparation, the GEMM, a kernel that only checks a flag), ``trace_busy_us``
     (time some kernel ran) and ``trace_span_us`` (first start to last end). Empty on a backend without device
     events."""
-    loop, n = C._device_loop(fn, arg_sets, None, 5e-3, 200)
-    families, busy, span = C.kernel_breakdown(C.trace_kernels(loop), repeats=n)
+    families, busy, span = C.loop_kernel_breakdown(fn, arg_sets)
     return dict(trace_kernels=[dict(family=f["family"], count=f["count"], us=f["us"]) for f in families],
                 trace_busy_us=busy, trace_span_us=span)
 
