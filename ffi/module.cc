@@ -35,7 +35,8 @@ namespace jax_w4a8 {
 bool CutlassBlockwiseBuilt();  // ffi/cuda/fp8_blockwise_cutlass.cu
 bool W4a8CutlassBuilt();       // ffi/cuda/w4a8_grouped_cutlass.cu
 // The scratch the CUDA handlers check for a plan (hopper_gemm.cuh, w4a8_grouped_cutlass.cuh, fp8_blockwise_cutlass.cuh)
-size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16);
+size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16,
+                                  bool x_folded);
 size_t W4a8MoeUpScratchNeed(int64_t m, int64_t inter, int64_t k, bool f16);
 size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int split_k, int tile_tokens,
                               int64_t grouped_batches);
@@ -87,9 +88,9 @@ NB_MODULE(JAX_W4A8_MODULE, m) {
   });
   // The scratch bytes each CUDA handler checks for a plan (tests compare jax_w4a8.tiling's plans with them).
   m.def("w4a8_grouped_gemm_scratch", [](int64_t m_, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k,
-                                        bool f16, bool cutlass, int64_t experts_per_chunk) {
+                                        bool f16, bool cutlass, int64_t experts_per_chunk, bool x_folded) {
     return cutlass ? jax_w4a8::W4a8CutlassScratchBytes(m_, e, n, k, experts_per_chunk)
-                   : jax_w4a8::W4a8GroupedGemmScratchNeed(m_, e, n, k, tile_tokens, split_k, f16);
+                   : jax_w4a8::W4a8GroupedGemmScratchNeed(m_, e, n, k, tile_tokens, split_k, f16, x_folded);
   });
   m.def("w4a8_moe_up_scratch", [](int64_t m_, int64_t inter, int64_t k, bool f16) {
     return jax_w4a8::W4a8MoeUpScratchNeed(m_, inter, k, f16);

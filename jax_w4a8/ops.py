@@ -27,6 +27,11 @@ __all__ = ["w4a8_grouped_gemm", "w4a8_moe_up", "fp8_einsum", "pack_ue8m0", "quan
            "silu_mul_quantize_fp8_groups"]
 
 _IMPLS = ("auto", "ffi", "reference")
+# Activation layouts: "standard" (codes in the caller's K order with their scales) or "folded" (each token's UE8M0
+# group scales folded into its codes, in the K order of the grouped GEMM's 128-token kernel, one float32
+# multiplier per token: jax_w4a8.quant.fold_fp8_groups). The grouped GEMM reads folded activations without its
+# preparation pass (a tenth of a prefill call's time).
+LAYOUTS = ("standard", "folded")
 _SCALE_CODE_DTYPES = (jnp.dtype(jnp.uint8), jnp.dtype(jnp.float8_e8m0fnu))
 
 
@@ -105,6 +110,14 @@ def _check_flag(op, arg, value) -> bool:
     return bool(value)
 
 
+def _check_layout(op, arg, layout, ue8m0=True):
+    if layout not in LAYOUTS:
+        _fail(op, arg, f"must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "folded" and not ue8m0:
+        _fail(op, "ue8m0", f"must be True with {arg}='folded' (only power-of-two scales fold exactly)")
+    return layout
+
+
 def _check_impl(op, impl):
     if impl not in _IMPLS:
         _fail(op, "impl", f"must be one of {_IMPLS}, got {impl!r}")
@@ -136,7 +149,7 @@ def _dispatch(impl, cpu_fn, cuda_fn, ref_fn, *args, default=None):
 # W4A8 grouped GEMM
 # ----------------------------------------------------------------------------------------------
 def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bfloat16, impl="auto",
-                      rows_per_expert=None, tile_tokens=None, mma=None, kernel=None):
+                      rows_per_expert=None, tile_tokens=None, mma=None, kernel=None, x_layout="standard"):
     """MoE grouped GEMM with int4 weights and fp8 activations (SPEC 4.1).
 
     ``out[m, n] = sum_g sa(m, g) * sw(e(m), n, g) * sum_{k in g} x[m, k] * q[e(m), n, k]`` in float32,
@@ -177,6 +190,14 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         less than 2^-16.8 of its token's largest |x * scale|; calls with other scales run unfolded. The
         folded and f16 paths sum the weight-scaled products before the activation scales: weight scales
         beyond about 1e30 could overflow float32 there where the unfolded sum would not).
+      x_layout: "standard" (the default: ``x`` in the caller's K order with any ``x_scale`` above) or "folded":
+        ``x`` in the folded K order with the token multipliers as ``x_scale`` ([M], or a scalar), as
+        :func:`quantize_fp8_groups` / :func:`silu_mul_quantize_fp8_groups` write them with
+        ``layout="folded"`` (:func:`jax_w4a8.quant.fold_fp8_groups`). Runs the 128-token e4m3 kernel (leave
+        ``tile_tokens`` / ``mma`` / ``kernel`` None or 128 / "e4m3" / "native") without its preparation
+        pass, whatever M is: meant for prefill, where the plan takes that kernel anyway
+        (:func:`jax_w4a8.tiling.folds_activations`). The result is the one the standard layout's codes and
+        UE8M0 group scales give at those tiles.
     Returns:
       out_dtype [M, N].
     Raises:
@@ -187,6 +208,7 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
     """
     op = "w4a8_grouped_gemm"
     _check_impl(op, impl)
+    x_layout = _check_layout(op, "x_layout", x_layout)
     out_dtype = _check_out_dtype(op, out_dtype)
     group_sizes = _group_sizes_array(op, group_sizes)
     x, x_scale, w, w_scale = map(jnp.asarray, (x, _python_scalar_as_f32(x_scale), w, w_scale))
@@ -209,7 +231,18 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
     _check_dtype(op, "group_sizes", group_sizes, [jnp.int32])
     _check_shape(op, "group_sizes", group_sizes, (e,), "[E], one entry per expert of w")
     _check_dtype(op, "x_scale", x_scale, [jnp.float32])
-    if x_scale.size == 1 and x_scale.ndim <= 1:
+    folded = x_layout == "folded"
+    if folded:
+        if x_scale.size == 1 and x_scale.ndim <= 1:
+            x_scale = jnp.broadcast_to(x_scale.reshape(()), (m,))
+        elif x_scale.shape != (m,):
+            _fail(op, "x_scale", f"must be the token multipliers [M]={(m,)} (or a scalar) with x_layout='folded', "
+                  f"got shape {x_scale.shape}")
+        if tile_tokens not in (None, 128) or mma not in (None, "e4m3") or kernel not in (None, "native"):
+            _fail(op, "x_layout", "'folded' runs the native kernel's 128-token e4m3 tiles: leave 'tile_tokens', "
+                  f"'mma' and 'kernel' None (or 128, 'e4m3', 'native'), got {tile_tokens!r}, {mma!r}, {kernel!r}")
+        tile_tokens, mma, kernel = 128, "e4m3", "native"
+    elif x_scale.size == 1 and x_scale.ndim <= 1:
         x_scale = x_scale.reshape(1)
     elif x_scale.shape not in ((m,), (m, k // 128)):
         _fail(op, "x_scale", f"must be a scalar, [M]={(m,)} or [M, K/128]={(m, k // 128)}, "
@@ -217,13 +250,15 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
 
     try:
         plan = tiling.plan_grouped_gemm(m, e, n, k, rows_per_expert=rows_per_expert, tile_tokens=tile_tokens,
-                                        mma=mma, kernel=kernel, out_bf16=out_dtype == jnp.bfloat16)
+                                        mma=mma, kernel=kernel, out_bf16=out_dtype == jnp.bfloat16,
+                                        x_folded=folded)
     except ValueError as exc:
         raise ValueError(f"{op}: {exc}") from None
     out_type = jax.ShapeDtypeStruct((m, n), out_dtype)
 
-    def cpu_fn(*args):
-        return jax.ffi.ffi_call(TARGETS["w4a8_grouped_gemm"], out_type, vmap_method="sequential")(*args)
+    def cpu_fn(x, *args):  # the CPU handler reads the standard K order
+        x = quant.from_folded_k_order(x) if folded else x
+        return jax.ffi.ffi_call(TARGETS["w4a8_grouped_gemm"], out_type, vmap_method="sequential")(x, *args)
 
     def cuda_fn(*args):
         call = jax.ffi.ffi_call(TARGETS["w4a8_grouped_gemm"],
@@ -232,9 +267,12 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         return call(*args, tile_tokens=np.int32(plan.tile_tokens), split_k=np.int32(plan.split_k),
                     mma=np.int32(tiling.MMAS.index(plan.mma)),
                     kernel=np.int32(tiling.GROUPED_KERNELS.index(plan.kernel)),
-                    experts_per_chunk=np.int32(plan.experts_per_chunk))[0]
+                    experts_per_chunk=np.int32(plan.experts_per_chunk), x_folded=folded)[0]
 
-    ref_fn = functools.partial(reference.w4a8_grouped_gemm, out_dtype=out_dtype)
+    def ref_fn(x, *args):
+        x = quant.from_folded_k_order(x) if folded else x
+        return reference.w4a8_grouped_gemm(x, *args, out_dtype=out_dtype)
+
     return _dispatch(impl, cpu_fn, cuda_fn, ref_fn, x, x_scale, w, w_scale, group_sizes)
 
 
@@ -448,7 +486,7 @@ def fp8_einsum(equation, x, x_scale, w, w_scale, *, out_dtype=jnp.bfloat16, ue8m
 # ----------------------------------------------------------------------------------------------
 # Activation quantizer
 # ----------------------------------------------------------------------------------------------
-def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="auto"):
+def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, layout="standard", impl="auto"):
     """Per-token, per-128-channel fp8 quantization in one pass (DeepSeek ``act_quant``), as a kernel.
 
     Same contract as :func:`jax_w4a8.quant.quantize_fp8_groups` (its reference):
@@ -460,8 +498,14 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
 
     Args:
       x: bfloat16 or float32 [..., K], K a multiple of 128 (other group sizes use the reference).
+      layout: "standard" (the codes and their group scales) or "folded" (``ue8m0=True`` and group_size 128
+        only): the same codes with each token's group scales folded in, in the folded K order, and one float32
+        multiplier per token (:func:`jax_w4a8.quant.fold_fp8_groups`, its reference), written by the same one
+        pass; :func:`w4a8_grouped_gemm` takes it with ``x_layout="folded"``. Rows of more than 16384 channels
+        are quantized, then folded in XLA.
     Returns:
-      (float8_e4m3fn [..., K], float32 scales [..., K // group_size]).
+      "standard": (float8_e4m3fn [..., K], float32 scales [..., K // group_size]);
+      "folded": (float8_e4m3fn [..., K] in the folded K order, float32 token multipliers [...]).
     """
     op = "quantize_fp8_groups"
     _check_impl(op, impl)
@@ -469,19 +513,46 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, impl="
     _check_dtype(op, "x", x, [jnp.bfloat16, jnp.float32])
     group_size = quant._check_size_arg(group_size, "group_size", op)
     ue8m0 = _check_flag(op, "ue8m0", ue8m0)
+    layout = _check_layout(op, "layout", layout, ue8m0)
     if x.ndim < 1 or x.shape[-1] == 0 or x.shape[-1] % group_size:
         _fail(op, "x", f"must have its last axis a positive multiple of group_size={group_size}, got {x.shape}")
+    if layout == "folded" and group_size != 128:
+        _fail(op, "group_size", f"must be 128 with layout='folded', got {group_size}")
     ref_fn = functools.partial(quant.quantize_fp8_groups, group_size=group_size, ue8m0=ue8m0)
     if group_size != 128:
         return ref_fn(x)
-    types = (jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
-             jax.ShapeDtypeStruct(x.shape[:-1] + (x.shape[-1] // 128,), jnp.float32))
+    return _quantize_call(op, x, x.shape[-1], ue8m0, False, layout, impl, ref_fn)
 
-    def ffi_fn(v):
-        return tuple(jax.ffi.ffi_call(TARGETS["quantize_fp8_groups"], types, vmap_method="broadcast_all")(
-            v, ue8m0=bool(ue8m0), silu_mul=False))
 
-    return _dispatch(impl, ffi_fn, ffi_fn, ref_fn, x)
+def _quantize_call(op, x, k, ue8m0, silu_mul, layout, impl, ref_fn):
+    """The quantizer's custom call (both layouts; ``k`` the output channels), by platform."""
+    lead = x.shape[:-1]
+    types = (jax.ShapeDtypeStruct(lead + (k,), jnp.float8_e4m3fn),
+             jax.ShapeDtypeStruct(lead + (k // 128,), jnp.float32))
+
+    def call(v, folded=None):
+        attrs = dict(ue8m0=bool(ue8m0), silu_mul=silu_mul)
+        out_types = types
+        if folded is not None:  # the CUDA handler's attribute (the CPU handler has no folded layout)
+            attrs["folded"] = folded
+            if folded:
+                out_types = (types[0], jax.ShapeDtypeStruct(lead, jnp.float32))
+        return tuple(jax.ffi.ffi_call(TARGETS["quantize_fp8_groups"], out_types, vmap_method="broadcast_all")(
+            v, **attrs))
+
+    if layout == "standard":
+        return _dispatch(impl, call, functools.partial(call, folded=False), ref_fn, x)
+
+    def cuda_fn(v):  # one pass where the kernel holds the row (K <= 16384), else quantize, then fold
+        if k // 128 <= _FOLDED_KERNEL_MAX_GROUPS:
+            return call(v, folded=True)
+        return quant.fold_fp8_groups(*call(v, folded=False))
+
+    return _dispatch(impl, lambda v: quant.fold_fp8_groups(*call(v)), cuda_fn,
+                     lambda v: quant.fold_fp8_groups(*ref_fn(v)), x)
+
+
+_FOLDED_KERNEL_MAX_GROUPS = 128  # quantize_fp8_groups.cu: kFoldTeams * kFoldMaxHeld
 
 
 def _silu_mul(x):
@@ -495,7 +566,7 @@ def _silu_mul_reference(x, ue8m0):
     return quant.quantize_fp8_groups(_silu_mul(x), ue8m0=ue8m0)
 
 
-def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, impl="auto"):
+def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, layout="standard", impl="auto"):
     """The MoE activation and the down projection's input quantization in one pass: ``x = [gate, up]``,
     ``h = silu(gate) * up`` in float32, then :func:`quantize_fp8_groups` of ``h`` (per token and 128 channels).
 
@@ -506,8 +577,11 @@ def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, impl="auto"):
       x: bfloat16 or float32 [..., 2I], gate channels [0, I), up channels [I, 2I); I a multiple of 128.
       ue8m0: scales rounded up to powers of two (UE8M0) before quantizing, as the down projection's
         activations of DeepSeek-V3.1 / V4 checkpoints and :func:`w4a8_moe_up` use.
+      layout: "standard" or "folded" (``ue8m0=True``; :func:`quantize_fp8_groups`): the down projection's
+        input for :func:`w4a8_grouped_gemm` with ``x_layout="folded"``.
     Returns:
-      (float8_e4m3fn [..., I], float32 scales [..., I // 128]). A product past float32's range (finite gate and
+      "standard": (float8_e4m3fn [..., I], float32 scales [..., I // 128]); "folded": (float8_e4m3fn [..., I]
+      in the folded K order, float32 token multipliers [...]). A product past float32's range (finite gate and
       up of about 2e19 each) saturates like an infinite input of :func:`quantize_fp8_groups`: code +-448 under
       the largest scale, never NaN.
     Raises:
@@ -521,15 +595,9 @@ def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, impl="auto"):
     if x.ndim < 1 or x.shape[-1] == 0 or x.shape[-1] % 256:
         _fail(op, "x", f"must be [..., 2I] (gate, then up) with I a positive multiple of 128, got {x.shape}")
     ue8m0 = _check_flag(op, "ue8m0", ue8m0)
-    inter = x.shape[-1] // 2
-    types = (jax.ShapeDtypeStruct(x.shape[:-1] + (inter,), jnp.float8_e4m3fn),
-             jax.ShapeDtypeStruct(x.shape[:-1] + (inter // 128,), jnp.float32))
-
-    def ffi_fn(v):
-        return tuple(jax.ffi.ffi_call(TARGETS["quantize_fp8_groups"], types, vmap_method="broadcast_all")(
-            v, ue8m0=bool(ue8m0), silu_mul=True))
-
-    return _dispatch(impl, ffi_fn, ffi_fn, functools.partial(_silu_mul_reference, ue8m0=ue8m0), x)
+    layout = _check_layout(op, "layout", layout, ue8m0)
+    return _quantize_call(op, x, x.shape[-1] // 2, ue8m0, True, layout, impl,
+                          functools.partial(_silu_mul_reference, ue8m0=ue8m0))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -31,6 +31,12 @@ __all__ = [
     "decode_ue8m0",
     "is_ue8m0_exact",
     "quantize_fp8_groups",
+    "FOLD_MAX_LIFT",
+    "to_folded_k_order",
+    "from_folded_k_order",
+    "fold_fp8_groups",
+    "unfold_fp8_groups",
+    "quantize_fp8_folded",
     "quantize_fp8_blocks",
     "dequantize_fp8_blocks",
     "quantize_fp8_tensor",
@@ -260,6 +266,116 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False):
     # Inf / a finite scale is Inf (then +-448) in IEEE division; XLA's CPU division uses a flushed reciprocal
     y = jnp.where(jnp.isinf(g) & jnp.isfinite(s)[..., None], g, y)
     return _to_fp8(y).reshape(x.shape), s
+
+
+# ----------------------------------------------------------------------------------------------
+# Folded fp8 activations (the W4A8 grouped GEMM's prefill input)
+# ----------------------------------------------------------------------------------------------
+# The 128-token e4m3 kernel of ops.w4a8_grouped_gemm reads each token's codes with its group scales already
+# folded in (one float32 multiplier per token) and in a K order of its own. Given UE8M0 group scales, folding is
+# exact but for codes it puts below e4m3's smallest normal (SPEC: "folded activations"; hopper_gemm.cu,
+# FoldTokenActivations, does the same on the device where it is handed the ordinary layout).
+FOLD_MAX_LIFT = 15  # the lift j of a token's codes is at most 2**15 (the kernels build the ratios as float16)
+
+
+def _check_k(x, fn: str, arg: str):
+    _require(x.ndim >= 1 and x.shape[-1] > 0 and x.shape[-1] % 128 == 0, ValueError,
+             f"{fn}: argument '{arg}' must be [..., K] with K a positive multiple of 128, got shape {x.shape}")
+
+
+def to_folded_k_order(codes):
+    """The folded K order of [..., K] codes (K a multiple of 128; any dtype of one byte): within each 128-code
+    group, viewed as 32 four-byte words, word ``c + 8 i`` moves to ``4 c + i`` (c < 8, i < 4): a transpose of
+    the words' [4, 8] grid, so that each 16-byte chunk ``c`` holds the words the MMA thread ``c`` needs.
+    Inverse: :func:`from_folded_k_order`."""
+    codes = jnp.asarray(codes)
+    _check_k(codes, "to_folded_k_order", "codes")
+    lead, k = codes.shape[:-1], codes.shape[-1]
+    v = codes.reshape(lead + (k // 128, 4, 8, 4))
+    return jnp.swapaxes(v, -3, -2).reshape(codes.shape)
+
+
+def from_folded_k_order(codes):
+    """Inverse of :func:`to_folded_k_order`: [..., K] in the folded K order -> the caller's K order."""
+    codes = jnp.asarray(codes)
+    _check_k(codes, "from_folded_k_order", "codes")
+    lead, k = codes.shape[:-1], codes.shape[-1]
+    v = codes.reshape(lead + (k // 128, 8, 4, 4))
+    return jnp.swapaxes(v, -3, -2).reshape(codes.shape)
+
+
+def _pow2(d):
+    """float32 2**d for int32 d <= 127; 0 below 2**-126 (a code times it is below e4m3's range there)."""
+    d = jnp.asarray(d, jnp.int32)
+    bits = (jnp.clip(d, -126, 127) + 127).astype(jnp.uint32) << 23
+    return jnp.where(d >= -126, jax.lax.bitcast_convert_type(bits, jnp.float32), 0.0)
+
+
+def _exponent(x):
+    """The unbiased exponent of a positive normal float32 power of two (int32)."""
+    return ((_f32_bits(x) >> 23) & 0xFF).astype(jnp.int32) - 127
+
+
+def fold_fp8_groups(codes, scales):
+    """Folds UE8M0 group scales into e4m3 codes: [..., K] e4m3 and [..., K/128] scales -> (e4m3 [..., K] in the
+    folded K order, float32 [...] token multipliers), with ``codes[k] * scales[k // 128] == folded * token`` up
+    to the rounding below.
+
+    Per token (the last axis): ``s_max`` = its largest scale, ``t`` = its largest ``|code| * scale`` (NaN codes
+    left out), the lift ``j = clip(floor(log2(448 s_max / t)) - 1, 0, 15)`` (0 where ``t`` is 0), so that the
+    token's largest folded code lands in [112, 448); each code is multiplied by ``2**(e_g - e_max + j)`` (exact
+    in float32) and rounded to e4m3 once, nearest even, and the token's multiplier is ``s_max * 2**-j``. A folded
+    code below e4m3's smallest normal (2**-6) rounds to a multiple of 2**-9: each activation moves by at most
+    2**-10 of its token's multiplier, which is under 2**-16.8 of the token's largest ``|x * scale|`` except for
+    tokens whose lift the cap of 15 cuts (their largest code times its scale below ``448 s_max 2**-17``:
+    quantized activations below about 2**-30). NaN codes stay NaN.
+
+    Args:
+      codes: float8_e4m3fn [..., K], K a multiple of 128.
+      scales: float32 [..., K / 128], each a UE8M0 value (a power of two in [2**-126, 2**127]) as
+        :func:`quantize_fp8_groups` with ``ue8m0=True`` makes them; other values fold inexactly (not checked:
+        that needs the values; ``ops`` checks concrete scales).
+    Returns:
+      (float8_e4m3fn [..., K] in the folded K order (:func:`to_folded_k_order`), float32 [...]).
+    """
+    codes, scales = jnp.asarray(codes), jnp.asarray(scales, jnp.float32)
+    _require(codes.dtype == _FP8, TypeError, f"fold_fp8_groups: codes must be float8_e4m3fn, got dtype {codes.dtype}")
+    _check_k(codes, "fold_fp8_groups", "codes")
+    g = codes.shape[-1] // 128
+    _require(scales.shape == codes.shape[:-1] + (g,), ValueError,
+             f"fold_fp8_groups: argument 'scales' must have shape {codes.shape[:-1] + (g,)}, got {scales.shape}")
+    c = codes.reshape(codes.shape[:-1] + (g, 128)).astype(jnp.float32)
+    e = _exponent(scales)  # [..., G]
+    e_max = jnp.max(e, axis=-1)
+    mag = jnp.max(jnp.where(jnp.isnan(c), 0.0, jnp.abs(c)), axis=-1)  # [..., G] largest |code| per group
+    # rel = t / s_max = max_g |code| 2**(e_g - e_max): exact where it matters (a code times a power of two at
+    # most 1; a group 2**-126 below the largest gives 0 here, and can be the largest only if all codes are that
+    # small, where the lift is capped anyway).
+    rel = jnp.max(mag * _pow2(e - e_max[..., None]), axis=-1)
+    # floor(log2(448 / rel)) for rel = m 2**p (m in [1, 1.875], an e4m3 mantissa): 8 - p, 7 - p where m > 1.75
+    bits = _f32_bits(rel)
+    p = ((bits >> 23) & 0xFF).astype(jnp.int32) - 127  # -127 for a subnormal rel: the cap applies
+    above = (bits & 0x7FFFFF) > 0x600000
+    lift = jnp.where(rel > 0, 7 - p - above.astype(jnp.int32), 0)
+    j = jnp.clip(lift, 0, FOLD_MAX_LIFT)
+    d = e - e_max[..., None] + j[..., None]  # the group's ratio 2**d, d <= 15
+    folded = _to_fp8(c * _pow2(d)[..., None])
+    token = _pow2(e_max - j)
+    return to_folded_k_order(folded.reshape(codes.shape)), token
+
+
+def unfold_fp8_groups(folded, token):
+    """Dequantizes folded activations: e4m3 [..., K] in the folded K order and float32 [...] multipliers ->
+    float32 [..., K] in the caller's K order (``code * token``)."""
+    folded, token = jnp.asarray(folded), jnp.asarray(token, jnp.float32)
+    return from_folded_k_order(folded).astype(jnp.float32) * token[..., None]
+
+
+def quantize_fp8_folded(x):
+    """:func:`quantize_fp8_groups` with UE8M0 scales, then :func:`fold_fp8_groups`: float [..., K] ->
+    (float8_e4m3fn [..., K] in the folded K order, float32 [...] token multipliers). The W4A8 grouped GEMM's
+    128-token kernel reads this without a preparation pass (``ops.w4a8_grouped_gemm(..., x_layout="folded")``)."""
+    return fold_fp8_groups(*quantize_fp8_groups(x, 128, ue8m0=True))
 
 
 def _pad_to(x, axis: int, multiple: int):

@@ -390,7 +390,7 @@ def _grouped_cutlass_unsupported(m: int, e: int, n: int, k: int, *, out_bf16: bo
 def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None,
                       tile_tokens: int | None = None, num_sms: int | None = None,
                       mma: str | None = None, kernel: str | None = None, out_bf16: bool = True,
-                      cutlass: bool | None = None, split_k: int | None = None) -> GemmPlan:
+                      cutlass: bool | None = None, split_k: int | None = None, x_folded: bool = False) -> GemmPlan:
     """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E.
 
     ``mma`` None picks the operand format from the tile (module docstring); "e4m3" or "f16" forces it
@@ -401,6 +401,8 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
     expected rows plus two standard deviations pass 8; :func:`decode_unit_bound`) forces one. ``cutlass``: whether the CUTLASS kernels can run (default: built with them and an sm_90 GPU).
     ``split_k``: force this library's kernels' K split (1: whole tiles; more: stream-K with at most that many
     pieces per tile), for probes of the heuristic (``benchmarks/profile_case.py --split-k``); ignored by CUTLASS.
+    ``x_folded``: the activations come folded (``x_layout="folded"``; pass ``tile_tokens=128, mma="e4m3"``): the
+    scratch holds no folded copy.
     Raises ValueError naming ``tile_tokens``, ``mma``, ``kernel`` or ``split_k`` (unknown value; "f16" with
     tile 0, the plain CUDA-core kernel; "e4m3" with tile 8; a kernel choice these shapes cannot run, "decode"
     with another tile, MMA or split included; a split outside [1, K/128]).
@@ -449,7 +451,13 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
         mma = "f16" if plan.tile_tokens in F16_TILE_TOKENS else "e4m3"
     if split_k is None and mma == "f16" and plan.split_k > 1 and _one_wide_wave(plan, busy, rows, n, num_sms):
         plan = _plan(m, 1, n, k, e, rows, plan.tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles, split_k=1)
-    return _with_mma(plan, mma, m, k, GROUPED_TILE_TOKENS)
+    return _with_mma(plan, mma, m, k, GROUPED_TILE_TOKENS, x_folded=x_folded)
+
+
+def folds_activations(plan: GemmPlan) -> bool:
+    """Whether a grouped GEMM plan runs the 128-token e4m3 kernel that folds its activation scales, i.e. whether
+    activations quantized with ``layout="folded"`` save it a pass (``ops.w4a8_grouped_gemm(x_layout="folded")``)."""
+    return plan.kernel == "native" and plan.mma == "e4m3" and plan.tile_tokens == 128
 
 
 _WIDE_TILES = (8, 16, 32)  # the f16 tiles that run 256-row blocks on whole units (hopper_gemm.cu LaunchF16)
@@ -470,7 +478,8 @@ def _one_wide_wave(plan: GemmPlan, busy: float, rows: float, n: int, num_sms: in
     return _WIDE_MIN_FILL * sms <= units <= sms
 
 
-def _with_mma(plan: GemmPlan, mma: str, m: int, k: int, f16_tiles: tuple[int, ...] = FUSED_F16_TILE_TOKENS) -> GemmPlan:
+def _with_mma(plan: GemmPlan, mma: str, m: int, k: int, f16_tiles: tuple[int, ...] = FUSED_F16_TILE_TOKENS,
+              x_folded: bool = False) -> GemmPlan:
     """``plan`` with the int4 operand format ``mma`` (checked against its token tile); with "f16" the
     activations as f16 (M x K x 2 bytes, hopper_gemm.cuh HopperGemmF16ActivationBytes) follow the scales in
     the scratch."""
@@ -483,7 +492,7 @@ def _with_mma(plan: GemmPlan, mma: str, m: int, k: int, f16_tiles: tuple[int, ..
     if mma == "e4m3" and plan.tile_tokens == 8:
         raise ValueError("argument 'tile_tokens'=8 runs the f16 MMA only: leave 'mma' None or pass 'f16'")
     extra = _align256(2 * m * k) if mma == "f16" else 0
-    if mma == "e4m3" and plan.tile_tokens == 128:  # folded activation scales (hopper_gemm.cuh HopperGemmFoldBytes):
+    if mma == "e4m3" and plan.tile_tokens == 128 and not x_folded:  # folded activation scales (HopperGemmFoldBytes):
         # the token multipliers [ceil4(M)] float32 and a flag, then the folded e4m3 activations [M, K]
         extra = _align256((-(-m // 4) * 4 + 1) * 4) + _align256(m * k)
     return dataclasses.replace(plan, mma=mma, scratch_bytes=plan.scratch_bytes + extra)

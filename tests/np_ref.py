@@ -70,3 +70,25 @@ def rel_err(out, ref):
     assert np.isfinite(out).all(), "output holds NaN or Inf"
     denom = np.linalg.norm(ref)
     return np.linalg.norm(out - ref) / (denom if denom else 1.0)
+
+
+def fold_groups(codes, scales):
+    """The folded activations (jax_w4a8.quant.fold_fp8_groups) in float64 from their definition: per token the
+    largest scale s_max, rel = max_g max|code_g| s_g / s_max (NaN codes left out), the lift j in [0, 15] with
+    rel 2^(j+1) <= 448 < rel 2^(j+2) (0 where rel is 0), each code times s_g / s_max 2^j rounded once to e4m3,
+    then the K order's word c + 8 i of each 128-code group moved to 4 c + i. Returns (e4m3 codes, float32 [...])."""
+    c = np.asarray(codes).astype(np.float64)
+    s = np.asarray(scales, np.float64)
+    g = c.reshape(c.shape[:-1] + (-1, 128))
+    s_max = s.max(-1)
+    ratio = s / s_max[..., None]
+    rel = np.max(np.nan_to_num(np.abs(g), nan=0.0).max(-1) * ratio, axis=-1)
+    j = np.zeros(rel.shape, np.int64)
+    for idx in np.ndindex(rel.shape):
+        if rel[idx] > 0:
+            lift = next(t for t in range(-300, 300) if rel[idx] * 2.0 ** (t + 1) <= 448 < rel[idx] * 2.0 ** (t + 2))
+            j[idx] = min(max(lift, 0), 15)
+    folded = (g * (ratio * np.exp2(j)[..., None])[..., None]).astype(ml_dtypes.float8_e4m3fn).reshape(c.shape)
+    words = folded.view(np.uint8).reshape(c.shape[:-1] + (-1, 4, 8, 4))
+    order = np.ascontiguousarray(np.swapaxes(words, -3, -2)).reshape(c.shape).view(ml_dtypes.float8_e4m3fn)
+    return order, (s_max * np.exp2(-j)).astype(np.float32)

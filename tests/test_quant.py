@@ -316,3 +316,73 @@ def test_dequantize_fp8_blocks_checks_its_arguments(rng):
         quant.dequantize_fp8_blocks(q, s, block=0)
     with pytest.raises(ValueError, match="at least one axis"):
         quant.unpack_int4(jnp.int8(1))
+
+
+# ----------------------------------------------------------------------------------------------
+# folded fp8 activations
+# ----------------------------------------------------------------------------------------------
+def test_folded_k_order_moves_word_c_plus_8i_to_4c_plus_i(rng):
+    codes = rng.integers(0, 256, (3, 384), dtype=np.uint8)
+    folded = np.asarray(quant.to_folded_k_order(codes))
+    for r in range(3):
+        for g in range(3):
+            for c in range(8):
+                for i in range(4):
+                    src = codes[r, 128 * g + 4 * (c + 8 * i):][:4]
+                    np.testing.assert_array_equal(folded[r, 128 * g + 4 * (4 * c + i):][:4], src)
+    np.testing.assert_array_equal(np.asarray(quant.from_folded_k_order(folded)), codes)
+    with pytest.raises(ValueError, match="codes"):
+        quant.to_folded_k_order(np.zeros((2, 100), np.uint8))
+
+
+def _fold_case(rng, rows=40, groups=7):
+    x = (rng.standard_normal((rows, 128 * groups)) * np.exp2(rng.integers(-20, 20, (rows, groups))).repeat(128, 1))
+    x = x.astype(np.float32)
+    x[0] = 0.0                # all zero: lift 0, multiplier the floor scale
+    x[1] = np.sign(x[1]) * 2.0 ** -31  # codes 2^-9 under the floor scale 2^-22: the lift (16) is capped at 15
+    x[2, :128] = np.nan       # NaN codes stay NaN and are left out of the lift
+    x[3, 5] = np.inf          # an infinite input: scale 2^127 saturates, the other groups fold to zero
+    x[4, :128] *= 1e-30       # one group far below the rest: its codes fold to zero
+    x[5, 128:256] *= 2.0 ** 40
+    return x
+
+
+def _same_codes(a, b):
+    a, b = np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+    nan = lambda v: (v & 0x7F) == 0x7F  # noqa: E731
+    return (a == b) | (nan(a) & nan(b))
+
+
+def test_fold_fp8_groups_matches_float64(rng):
+    x = _fold_case(rng)
+    codes, scales = quant.quantize_fp8_groups(x, ue8m0=True)
+    folded, token = quant.fold_fp8_groups(codes, scales)
+    ref_codes, ref_token = np_ref.fold_groups(codes, scales)
+    assert folded.dtype == jnp.float8_e4m3fn and token.shape == (x.shape[0],)
+    assert _same_codes(folded, ref_codes).all()
+    np.testing.assert_array_equal(np.asarray(token), ref_token)
+    # the values: within 2^-10 of the token's multiplier of code * scale (exact where the folded code is normal)
+    back = np.asarray(quant.from_folded_k_order(folded), np.float64) * np.asarray(token, np.float64)[:, None]
+    small = np.isfinite(back).all(-1) & (np.abs(back).max(-1) < 1e30)  # float32 holds these: unfold agrees
+    np.testing.assert_array_equal(np.asarray(quant.unfold_fp8_groups(folded, token))[small], back[small])
+    want = np.asarray(codes, np.float64) * np.repeat(np.asarray(scales, np.float64), 128, -1)
+    ok = np.isfinite(want)
+    err = np.abs(back - want)[ok]
+    assert (err <= np.broadcast_to(2.0 ** -10 * np.asarray(token, np.float64)[:, None], want.shape)[ok]).all()
+    big = np.abs(want) >= 2.0 ** -6 * np.asarray(token, np.float64)[:, None]  # the folded value is an e4m3 normal
+    np.testing.assert_array_equal(back[big & ok], want[big & ok])
+    # each token's largest folded code in [112, 448] unless its lift is capped or it is all zero
+    top = np.nanmax(np.abs(np.asarray(folded, np.float32)), axis=-1)
+    assert ((top >= 112) & (top <= 448))[5:].all() and top[0] == 0 and top[1] < 112
+    assert np.isnan(np.asarray(folded, np.float32)[2]).sum() == np.isnan(np.asarray(codes, np.float32)[2]).sum()
+
+
+def test_quantize_fp8_folded_is_quantize_then_fold(rng):
+    x = jnp.asarray(_fold_case(rng, 9, 3)[5:], jnp.bfloat16)
+    a, t = quant.quantize_fp8_folded(x)
+    b, u = quant.fold_fp8_groups(*quant.quantize_fp8_groups(x, ue8m0=True))
+    assert _same_codes(a, b).all() and (np.asarray(t) == np.asarray(u)).all()
+    with pytest.raises(ValueError, match="scales"):
+        quant.fold_fp8_groups(a, t)
+    with pytest.raises(TypeError, match="codes"):
+        quant.fold_fp8_groups(x, u)

@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import np_ref
 from conftest import run_poisoned
 from jax_w4a8 import ops, quant
 
@@ -176,3 +177,74 @@ def test_option_types(rng):
             fn(x, ue8m0="no")
         with pytest.raises(TypeError, match="'ue8m0' must be True or False"):
             jax.jit(lambda v, u: fn(v, ue8m0=u))(x, True)
+
+
+def _same_codes(a, b):
+    """e4m3 codes equal bit for bit, any NaN code matching any other."""
+    a, b = np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8)
+    return ((a == b) | (((a & 0x7F) == 0x7F) & ((b & 0x7F) == 0x7F))).all()
+
+
+def _fold_inputs(rng, lead, k):
+    x = (rng.standard_normal(lead + (k,)) * np.exp2(rng.integers(-12, 12, lead + (k // 128,))).repeat(128, -1))
+    x = x.astype(np.float32).reshape(-1, k)
+    x[0] = 0.0                                # all zero
+    x[1] = np.sign(x[1]) * 2.0 ** -31         # codes 2^-9 under the floor scale: the lift capped at 15
+    x[2, 3] = np.nan                          # a NaN code (left out of the lift)
+    x[3, -1] = np.inf                         # an infinite input: scale 2^127, the token's other groups fold to 0
+    x[4, :128] *= 2.0 ** -40                  # one group far below the others
+    return x.reshape(lead + (k,))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("groups", [1, 16, 17, 56, 128, 129])
+def test_folded_layout_matches_float64(rng, device, dtype, groups):
+    """layout="folded": the UE8M0 codes of each token with its group scales folded in, in the folded K order, and
+    one multiplier per token (the CUDA kernel holds a row of up to 16, 32, 64 or 128 groups; 129 is quantized,
+    then folded in XLA), bit for bit the float64 fold (tests/np_ref.py fold_groups) of the quantizer's codes."""
+    k = 128 * groups
+    x = jnp.asarray(_fold_inputs(rng, (2, 9), k), dtype)
+    f = functools.partial(ops.quantize_fp8_groups, ue8m0=True, layout="folded", impl="ffi")
+    if device.platform == "gpu" and groups <= 128:  # the kernel's own outputs, NaN-poisoned
+        q, t = run_poisoned(f, ((2, 9, k), (2, 9)), (jnp.float8_e4m3fn, jnp.float32), (x,), device)
+    else:
+        q, t = (np.asarray(a) for a in jax.jit(f)(jax.device_put(x, device)))
+    assert q.dtype == jnp.float8_e4m3fn and q.shape == (2, 9, k) and t.shape == (2, 9)
+    ref_q, ref_t = np_ref.fold_groups(*quant.quantize_fp8_groups(x, ue8m0=True))
+    assert _same_codes(q, ref_q)
+    np.testing.assert_array_equal(t, ref_t)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("groups", [3, 16, 56])
+def test_silu_mul_folded_layout_is_the_fold_of_its_codes(rng, device, dtype, groups):
+    """silu_mul_quantize_fp8_groups(layout="folded") (the down projection's input, folded): the float64 fold of the
+    same call's standard codes and scales, bit for bit."""
+    inter = 128 * groups
+    x = (rng.standard_normal((37, 2 * inter)) * np.exp2(rng.uniform(-6, 6, (37, 1)))).astype(np.float32)
+    x[0] = 0.0
+    x[1, :inter] = -1e4  # silu of a large negative gate: -0 codes
+    x = jnp.asarray(x, dtype)
+    f = functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=True, layout="folded", impl="ffi")
+    if device.platform == "gpu":
+        q, t = run_poisoned(f, ((37, inter), (37,)), (jnp.float8_e4m3fn, jnp.float32), (x,), device)
+    else:
+        q, t = (np.asarray(a) for a in jax.jit(f)(jax.device_put(x, device)))
+    std = jax.jit(functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=True, impl="ffi"))(jax.device_put(x, device))
+    ref_q, ref_t = np_ref.fold_groups(*(np.asarray(a) for a in std))
+    assert _same_codes(q, ref_q)
+    np.testing.assert_array_equal(t, ref_t)
+
+
+def test_folded_layout_errors(rng):
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="'layout'"):
+        ops.quantize_fp8_groups(x, ue8m0=True, layout="tiled")
+    with pytest.raises(ValueError, match="'ue8m0'"):
+        ops.quantize_fp8_groups(x, layout="folded")
+    with pytest.raises(ValueError, match="'group_size'"):
+        ops.quantize_fp8_groups(x, 64, ue8m0=True, layout="folded")
+    with pytest.raises(ValueError, match="'ue8m0'"):
+        ops.silu_mul_quantize_fp8_groups(x, layout="folded")
+    q, t = ops.quantize_fp8_groups(x, ue8m0=True, layout="folded", impl="reference")
+    assert q.shape == (4, 256) and t.shape == (4,)

@@ -413,10 +413,16 @@ def test_plans_hold_the_scratch_the_cuda_handlers_check():
                 except ValueError:
                     continue
                 need = mod.w4a8_grouped_gemm_scratch(m, e, n, k, p.tile_tokens, p.split_k, p.mma == "f16",
-                                                     p.kernel == "cutlass", p.experts_per_chunk)
+                                                     p.kernel == "cutlass", p.experts_per_chunk, False)
                 # exactly the need, but under stream-K: partial-sum slots for every resident block, where the
                 # handler asks for one block's (the kernel's grid is cut to the slots there are)
                 assert p.scratch_bytes == need if p.split_k == 1 else p.scratch_bytes >= need, (m, e, n, k, kw, p, need)
+        # x_layout="folded": the 128-token e4m3 plan without the folded copy
+        p = tiling.plan_grouped_gemm(m, e, n, k, num_sms=SMS, tile_tokens=128, mma="e4m3", kernel="native",
+                                     x_folded=True)
+        need = mod.w4a8_grouped_gemm_scratch(m, e, n, k, 128, p.split_k, False, False, 0, True)
+        assert p.scratch_bytes == need if p.split_k == 1 else p.scratch_bytes >= need, (m, e, n, k, p, need)
+        assert tiling.folds_activations(p)
         inter = 128 * int(rng.integers(1, 40))
         for tile in (None, 8, 16, 32, 64):
             for mma in (None, "e4m3", "f16"):

@@ -862,3 +862,50 @@ def test_first_call_inside_a_command_buffer_on_gpu(rng, kernel):
         pytest.skip("built without CUTLASS")
     got = run_in_command_buffer("grouped_gemm", kernel, int(rng.integers(1 << 30)))
     assert got["finite"] and got["rel_err"] <= BF16_TOL, got
+
+
+@pytest.mark.parametrize("m, k, n, sizes", [
+    (203, 896, 136, [70, 0, 57, 1, 72]),   # 3 padding rows, an empty expert
+    (300, 512, 256, [140, 0, 100, 60]),     # the plan splits K (stream-K)
+    (64, 2048, 8192, [30, 34]),             # wide N: whole-K tiles
+    (1, 256, 40, [1, 0]),                   # one token (its multiplier passed as [1])
+    (37, 128, 40, [-5, 2**31 - 1, 7]),      # hostile group sizes: clamped, the rest padding
+])
+def test_folded_layout_matches_float64(rng, device, m, k, n, sizes):
+    """x_layout="folded": activations quantized with layout="folded" (codes in the folded K order, one multiplier
+    per token) against float64 on the standard codes and UE8M0 scales of the same activations; on the GPU, bit
+    for bit the standard layout's result at the same 128-token e4m3 tiles (whose preparation folds them the same
+    way), and its padding rows exactly zero."""
+    x8, _, w, w_scale, gs = make_case(rng, m, k, n, sizes)
+    x = (rng.standard_normal((m, k)) * np.repeat(np.exp2(rng.integers(-8, 8, (m, k // 128))), 128, 1))
+    x = jnp.asarray(x, jnp.bfloat16)
+    codes, scales = ops.quantize_fp8_groups(x, ue8m0=True)
+    folded, token = ops.quantize_fp8_groups(x, ue8m0=True, layout="folded")
+    fn = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", x_layout="folded")
+    out = run_poisoned(fn, (m, n), jnp.float32, (folded, token, w, w_scale, gs), device)
+    ref = np_ref.grouped_gemm(codes, scales, w, w_scale, gs)
+    rows = min(sum(max(s, 0) for s in sizes), m)
+    _assert_rows_close(out[:rows], ref[:rows])
+    assert (out[rows:] == 0).all(), "padding rows must be exactly zero"
+    if device.platform == "gpu":
+        std = functools.partial(ops.w4a8_grouped_gemm, out_dtype=jnp.float32, impl="ffi", tile_tokens=128,
+                                mma="e4m3")
+        base = run_poisoned(std, (m, n), jnp.float32, (codes, scales, w, w_scale, gs), device)
+        np.testing.assert_array_equal(out, base)
+
+
+def test_folded_layout_errors(rng):
+    x8, x_scale, w, w_scale, gs = make_case(rng, 8, 256, 16, [4, 4])
+    folded, token = quant.fold_fp8_groups(*quant.quantize_fp8_groups(np.ones((8, 256), np.float32), ue8m0=True))
+    with pytest.raises(ValueError, match="'x_scale'"):
+        ops.w4a8_grouped_gemm(folded, x_scale, w, w_scale, gs, x_layout="folded")
+    for kw in ({"tile_tokens": 64}, {"mma": "f16"}, {"kernel": "cutlass"}, {"kernel": "decode"}):
+        with pytest.raises(ValueError, match="'x_layout'"):
+            ops.w4a8_grouped_gemm(folded, token, w, w_scale, gs, x_layout="folded", **kw)
+    with pytest.raises(ValueError, match="'x_layout'"):
+        ops.w4a8_grouped_gemm(folded, token, w, w_scale, gs, x_layout="rows")
+    # a scalar multiplier is every token's; the reference reads the folded K order too
+    a = ops.w4a8_grouped_gemm(folded, jnp.float32(0.5), w, w_scale, gs, x_layout="folded", out_dtype=jnp.float32)
+    b = ops.w4a8_grouped_gemm(folded, jnp.full((8,), 0.5), w, w_scale, gs, x_layout="folded", out_dtype=jnp.float32,
+                              impl="reference")
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)

@@ -181,8 +181,9 @@ inline ffi::Error CheckUe8m0Pack(const ffi::AnyBuffer& scale, const ffi::AnyBuff
 // quantize_fp8_groups: x [R, K] (bf16 / f32) -> e4m3 [R, K] + f32 scales [R, K/128]
 // ---------------------------------------------------------------------------------------------
 // silu_mul: x is [..., 2K] (gate, then up) and the outputs cover K channels; k is the outputs' K.
+// folded (the CUDA handler's layout="folded"): the second output holds one float32 multiplier per row.
 inline ffi::Error CheckQuantizeGroups(const ffi::AnyBuffer& x, const ffi::AnyBuffer& q, const ffi::AnyBuffer& s,
-                                      bool silu_mul, int64_t* rows, int64_t* k) {
+                                      bool silu_mul, int64_t* rows, int64_t* k, bool folded = false) {
   const std::string op = silu_mul ? "silu_mul_quantize_fp8_groups" : "quantize_fp8_groups";
   if (x.element_type() != ffi::BF16 && x.element_type() != ffi::F32)
     return Invalid(op, "x must be bfloat16 or float32");
@@ -196,7 +197,9 @@ inline ffi::Error CheckQuantizeGroups(const ffi::AnyBuffer& x, const ffi::AnyBuf
   if (q.element_type() != ffi::F8E4M3FN || static_cast<int64_t>(q.element_count()) != *rows * *k)
     return Invalid(op, silu_mul ? "the codes output must be float8_e4m3fn [..., K] for x [..., 2K]"
                                 : "the codes output must be float8_e4m3fn with the shape of x");
-  if (s.element_type() != ffi::F32 || static_cast<int64_t>(s.element_count()) != *rows * (*k / kGroup))
+  if (folded && (s.element_type() != ffi::F32 || static_cast<int64_t>(s.element_count()) != *rows))
+    return Invalid(op, "the token scales output must be float32 [...], one per row");
+  if (!folded && (s.element_type() != ffi::F32 || static_cast<int64_t>(s.element_count()) != *rows * (*k / kGroup)))
     return Invalid(op, "the scales output must be float32 [..., K/128]");
   return ffi::Error::Success();
 }

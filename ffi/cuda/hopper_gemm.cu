@@ -1567,22 +1567,6 @@ __device__ __forceinline__ float E4m3MagnitudeToFloat(uint32_t mag) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(h)));
 }
 
-// Two f16 -> two e4m3 codes (low half -> low byte), rounded to nearest even, saturating (NaN stays NaN).
-__device__ __forceinline__ uint32_t F16x2ToE4m3x2(uint32_t v) {
-  uint16_t out;
-  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(out) : "r"(v));
-  return out;
-}
-
-// Four e4m3 codes times r (f16x2 of a power of two or 0; the product is exact in f16 down to 2^-21, below
-// which e4m3 rounds it to 0 either way), back to e4m3.
-__device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
-  uint32_t lo = E4m3x2ToF16x2(w & 0xFFFFu), hi = E4m3x2ToF16x2(w >> 16);
-  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(lo) : "r"(r2));
-  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(r2));
-  return F16x2ToE4m3x2(lo) | (F16x2ToE4m3x2(hi) << 16);
-}
-
 // The folded activations' K order (thread-major), which the folding kernel's int4 -> e4m3 conversion reads
 // without a byte gather: within a 128-K group, wgmma step kc (32 K) takes from thread c = lane % 4 of a fragment
 // row the int4 codes [32 c + 8 kc, + 8) (word kc of its 16-byte chunk c; Int4x8ToE4m3 puts codes + 0..3 in the
@@ -2091,6 +2075,7 @@ cudaError_t LaunchTok(const HopperGemmParams& p, cudaStream_t stream, const Devi
                              : Launch<128, false, 1, false, true>(p, stream, dev);
       }
       if constexpr (kInt4) {
+        if (p.x_folded) return Launch<128, true, 1, false, false, false, true>(p, stream, dev);  // folded by the caller
         if (p.fold_x) {  // the folding kernel, then the plain one (the preparation's flag lets one of them run)
           if (cudaError_t e = Launch<128, true, 1, false, false, false, true>(p, stream, dev); e != cudaSuccess)
             return e;
@@ -2182,9 +2167,10 @@ size_t HopperGemmF16ActivationBytes(int64_t m, int64_t h, int64_t k) {
   return (static_cast<size_t>(m * h * k) * 2 + 255) / 256 * 256;
 }
 
-size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16) {
+size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16,
+                                  bool x_folded) {
   return HopperGemmScratchBytes(m, 1, n, k, split_k, tile_tokens, e) + (f16 ? HopperGemmF16ActivationBytes(m, 1, k) : 0) +
-         (W4a8FoldsActivationScales(tile_tokens, f16) ? HopperGemmFoldBytes(m, 1, k) : 0);
+         (W4a8FoldsActivationScales(tile_tokens, f16) && !x_folded ? HopperGemmFoldBytes(m, 1, k) : 0);
 }
 
 size_t W4a8MoeUpScratchNeed(int64_t m, int64_t inter, int64_t k, bool f16) {
@@ -2211,12 +2197,16 @@ size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int sp
 
 cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
   const DeviceInfo dev = CurrentDevice();
-  const int64_t mp = (p.m + 3) / 4 * 4, n = (p.k / kKGroup) * p.h * mp;
+  // x_folded: the activations come folded, so there are no activation scales to prepare (n = 0); the
+  // preparation kernel runs only where split-K has counters to clear.
+  const int64_t mp = (p.m + 3) / 4 * 4, n = p.x_folded ? 0 : (p.k / kKGroup) * p.h * mp;
   const bool f16_x = p.w_int4 && p.int4_f16;
   if (f16_x && p.xh == nullptr) return cudaErrorInvalidValue;
-  // fold_x: exactly the kernel that folds (HopperGemmKernel kFoldX), with its scratch.
-  if (p.fold_x != (p.w_int4 && !p.int4_f16 && !p.fused_up && p.tile_tokens == 128)) return cudaErrorInvalidValue;
-  if (p.fold_x && (p.x_tok_scale == nullptr || p.x_fold == nullptr)) return cudaErrorInvalidValue;
+  // fold_x or x_folded: exactly the kernel that folds (HopperGemmKernel kFoldX), with its scratch or the caller's
+  // folded activations.
+  const bool fold_kernel = p.w_int4 && !p.int4_f16 && !p.fused_up && p.tile_tokens == 128;
+  if ((p.fold_x || p.x_folded) != fold_kernel || (p.fold_x && p.x_folded)) return cudaErrorInvalidValue;
+  if ((p.fold_x || p.x_folded) && (p.x_tok_scale == nullptr || p.x_fold == nullptr)) return cudaErrorInvalidValue;
   if (p.fold_x) {  // the flag after the token multipliers: cleared, then set by the preparation where it cannot fold
     if (cudaError_t e = cudaMemsetAsync(p.x_tok_scale + p.h * mp, 0, sizeof(int), stream); e != cudaSuccess) return e;
   }

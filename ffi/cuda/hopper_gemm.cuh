@@ -71,6 +71,10 @@ struct HopperGemmParams {
   bool fold_x = false;
   float* x_tok_scale = nullptr;
   void* x_fold = nullptr;
+  // x_folded (the grouped GEMM's x_layout="folded"): the caller's x is already folded, in that K order, with one
+  // multiplier per token (x_tok_scale, [M] float32): only the folding kernel runs, without a preparation (its
+  // fields: fold_x false, x_fold = x, x_tok_scale = the caller's multipliers).
+  bool x_folded = false;
   bool dependent_launch = false;  // set by LaunchHopperGemm: the GEMM is a programmatic dependent of its preparation
 };
 
@@ -105,7 +109,9 @@ size_t HopperGemmScratchBytes(int64_t m, int64_t h, int64_t f, int64_t k, int sp
 // Scratch the tensor-core handlers check their scratch output against, per plan: w4a8_grouped_gemm (its
 // own kernel; f16: mma 1) and w4a8_moe_up. jax_w4a8.tiling mirrors them; a CPU test compares the two
 // through the CUDA module (module.cc).
-size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16);
+// x_folded: the activations come folded (x_layout="folded"): no folded copy in the scratch.
+size_t W4a8GroupedGemmScratchNeed(int64_t m, int64_t e, int64_t n, int64_t k, int tile_tokens, int split_k, bool f16,
+                                  bool x_folded = false);
 size_t W4a8MoeUpScratchNeed(int64_t m, int64_t inter, int64_t k, bool f16);
 
 // Prepares the activation scales (and clears the split-K piece counters), then runs the GEMM.

@@ -1,5 +1,7 @@
 // Exact int4 -> f16 and e4m3 -> f16 conversions for the f16 tensor-core paths (mma.sync m16n8k16 and the f16
-// wgmma): the int4 kernels of hopper_gemm.cu and the grouped decode kernel (w4a8_decode_gemm.cu).
+// wgmma): the int4 kernels of hopper_gemm.cu and the grouped decode kernel (w4a8_decode_gemm.cu); and e4m3
+// codes scaled by powers of two through f16 (the folded activations of hopper_gemm.cu and
+// quantize_fp8_groups.cu).
 #pragma once
 
 #include <cstdint>
@@ -39,6 +41,22 @@ __device__ __forceinline__ uint32_t E4m3x2ToF16x2(uint32_t v) {
   uint32_t out;
   asm("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, %1;\ncvt.rn.f16x2.e4m3x2 %0, lo;\n}\n" : "=r"(out) : "r"(v));
   return out;
+}
+
+// Two f16 -> two e4m3 codes (low half -> low byte), rounded to nearest even, saturating (NaN stays NaN).
+__device__ __forceinline__ uint32_t F16x2ToE4m3x2(uint32_t v) {
+  uint16_t out;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(out) : "r"(v));
+  return out;
+}
+
+// Four e4m3 codes times r (f16x2 of a power of two or 0; the product is exact in f16 down to 2^-21, below
+// which e4m3 rounds it to 0 either way), back to e4m3.
+__device__ __forceinline__ uint32_t ScaleE4m3x4(uint32_t w, uint32_t r2) {
+  uint32_t lo = E4m3x2ToF16x2(w & 0xFFFFu), hi = E4m3x2ToF16x2(w >> 16);
+  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(lo) : "r"(r2));
+  asm("mul.rn.f16x2 %0, %0, %1;" : "+r"(hi) : "r"(r2));
+  return F16x2ToE4m3x2(lo) | (F16x2ToE4m3x2(hi) << 16);
 }
 
 }  // namespace jax_w4a8

@@ -4,6 +4,9 @@
 // With ue8m0 the scale is rounded up to a power of two *before* the values are divided by it.
 // silu_mul (ops.silu_mul_quantize_fp8_groups): x is [R, 2K], gate then up; each group quantizes
 // silu(gate) * up in float32 (SPEC's MoE activation), so the [R, K] product is never written.
+// folded (layout="folded", UE8M0 only): the same codes with each token's group scales folded in, written in the
+// folded K order, and one float32 multiplier per token instead of the group scales (QuantizeFoldedKernel; the
+// format: jax_w4a8.quant.fold_fp8_groups), which the grouped GEMM's 128-token kernel reads as it is.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
@@ -13,6 +16,7 @@
 
 #include "../common/checks.h"
 #include "../common/formats.h"
+#include "int4_f16.cuh"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_w4a8 {
@@ -137,6 +141,126 @@ __global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>()))
   }
 }
 
+// ---- The folded layout (layout="folded") ----------------------------------------------------------------
+// A block per token row (grid-stride over rows), 16 teams of 16 threads; team q quantizes groups q + 16 i
+// (i < kHeld, so rows of up to 16 kHeld groups) as QuantizeGroupsKernel does, with UE8M0 scales, and keeps the
+// codes. The row's largest scale exponent e_max and rel = max_g (largest |code| of g) 2^(e_g - e_max) give the
+// lift j (jax_w4a8.quant.fold_fp8_groups: the largest folded code in [112, 448), j in [0, 15]); each group's
+// codes are then multiplied by 2^(e_g - e_max + j) through f16 (ScaleE4m3x4: one rounding to e4m3, as
+// hopper_gemm.cu's FoldChunk) and stored in the folded K order, and the row's multiplier is 2^(e_max - j).
+constexpr int kFoldTeams = 16;
+constexpr int kFoldMaxHeld = 8;  // rows of up to 128 groups (K <= 16384); longer rows: ops quantizes, then folds
+
+// f16x2 of 2^d (d <= 15) in both halves: f16 subnormals down to 2^-24, 0 below (a code times it rounds to e4m3
+// zero there either way).
+__device__ __forceinline__ uint32_t Pow2F16x2(int d) {
+  const uint32_t h = d >= -14 ? static_cast<uint32_t>(d + 15) << 10 : d >= -24 ? 1u << (d + 24) : 0u;
+  return h * 0x10001u;
+}
+
+// float 2^d for d <= 127; 0 below 2^-126 (jax_w4a8.quant._pow2).
+__device__ __forceinline__ float Pow2F32(int d) { return d >= -126 ? __uint_as_float(static_cast<uint32_t>(d + 127) << 23) : 0.0f; }
+
+template <bool kBf16, bool kSiluMul, int kHeld>
+__global__ void __launch_bounds__(256)
+    QuantizeFoldedKernel(const void* x, uint8_t* codes, float* token_scale, int64_t rows, int64_t row_groups) {
+  __shared__ int group_exp[kFoldTeams * kHeld];
+  __shared__ float group_max[kFoldTeams * kHeld];  // the group's largest |code| (NaN codes left out)
+  __shared__ int row_fold[2];                      // e_max, j
+  const int team = threadIdx.x / 16, sub = threadIdx.x % 16;
+  const unsigned team_mask = 0xFFFFu << (threadIdx.x & 16);
+  const int64_t in_k = (kSiluMul ? 2 : 1) * row_groups * 128;  // inputs per row
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t in_row = row * in_k;
+    Raw<kBf16> raw[kHeld], up[kSiluMul ? kHeld : 1];
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      const int64_t g = team + kFoldTeams * i;
+      raw[i] = g < row_groups ? LoadRaw<kBf16>(x, in_row + g * 128 + sub * 8) : Raw<kBf16>{};
+      if constexpr (kSiluMul)
+        up[i] = g < row_groups ? LoadRaw<kBf16>(x, in_row + (row_groups + g) * 128 + sub * 8) : Raw<kBf16>{};
+    }
+    uint2 q[kHeld];
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      const int64_t g = team + kFoldTeams * i;
+      float v[8];
+      Unpack<kBf16>(raw[i], v);
+      if constexpr (kSiluMul) {
+        float w[8];
+        Unpack<kBf16>(up[i], w);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) v[k] = SiluMul(v[k], w[k]);
+      }
+      float amax = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
+#pragma unroll
+      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(team_mask, amax, off));
+      const float scale = CeilToUe8m0(__fdiv_rn(fmaxf(amax, 1e-4f), 448.0f));  // as QuantizeGroupsKernel
+      q[i] = EncodeEight(v, scale, true);
+      if (sub == 0 && g < row_groups) {
+        // the group's largest |code|: amax / scale rounded as its code is (saturating; NaN inputs left out)
+        const uint32_t c = __nv_cvt_float2_to_fp8x2(make_float2(amax * __frcp_rn(scale), 0.0f), __NV_SATFINITE, __NV_E4M3);
+        group_max[g] = E4m3ToFloat(static_cast<uint8_t>(c & 0x7Fu));
+        group_exp[g] = static_cast<int>((__float_as_uint(scale) >> 23) & 0xFFu) - 127;
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x < 32) {  // warp 0: e_max, then rel = max_g group_max 2^(e_g - e_max), the lift and multiplier
+      int e_max = -127;
+      for (int64_t g = threadIdx.x; g < row_groups; g += 32) e_max = max(e_max, group_exp[g]);
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) e_max = max(e_max, __shfl_xor_sync(0xffffffffu, e_max, off));
+      float rel = 0.0f;
+      for (int64_t g = threadIdx.x; g < row_groups; g += 32) rel = fmaxf(rel, group_max[g] * Pow2F32(group_exp[g] - e_max));
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) rel = fmaxf(rel, __shfl_xor_sync(0xffffffffu, rel, off));
+      // floor(log2(448 / rel)) - 1 for rel = m 2^p: 7 - p, 6 - p where m > 1.75 (quant.fold_fp8_groups)
+      const uint32_t bits = __float_as_uint(rel);
+      const int p = static_cast<int>((bits >> 23) & 0xFFu) - 127;
+      const int j = rel > 0.0f ? min(max(7 - p - static_cast<int>((bits & 0x7FFFFFu) > 0x600000u), 0), 15) : 0;
+      if (threadIdx.x == 0) {
+        row_fold[0] = e_max, row_fold[1] = j;
+        token_scale[row] = Pow2F32(e_max - j);
+      }
+    }
+    __syncthreads();
+    const int shift = row_fold[1] - row_fold[0];
+#pragma unroll
+    for (int i = 0; i < kHeld; ++i) {
+      const int64_t g = team + kFoldTeams * i;
+      const int d = g < row_groups ? group_exp[g] + shift : -127;
+      const uint32_t r2 = Pow2F16x2(d);
+      const uint32_t lo = ScaleE4m3x4(q[i].x, r2), hi = ScaleE4m3x4(q[i].y, r2);  // natural words 2 sub, 2 sub + 1
+      // Folded word f = 4 c + i0 holds natural word c + 8 i0: this thread stores folded words 2 sub and 2 sub + 1,
+      // natural words w0 = sub / 2 + 16 (sub % 2) and w0 + 8, held by team lanes w0 / 2 and w0 / 2 + 4 in their
+      // word (sub / 2) % 2.
+      const int w0 = sub / 2 + 16 * (sub % 2), base = threadIdx.x & 16;
+      const uint32_t a_lo = __shfl_sync(team_mask, lo, base + w0 / 2), a_hi = __shfl_sync(team_mask, hi, base + w0 / 2);
+      const uint32_t b_lo = __shfl_sync(team_mask, lo, base + w0 / 2 + 4), b_hi = __shfl_sync(team_mask, hi, base + w0 / 2 + 4);
+      const bool odd = (sub / 2) % 2;
+      if (g < row_groups)
+        __stcs(reinterpret_cast<uint2*>(codes + (row * row_groups + g) * 128 + sub * 8),
+               make_uint2(odd ? a_hi : a_lo, odd ? b_hi : b_lo));
+    }
+    __syncthreads();  // group_exp / group_max / row_fold are rewritten by the next row
+  }
+}
+
+template <bool kBf16, bool kSiluMul>
+cudaError_t LaunchQuantizeFolded(cudaStream_t stream, const void* x, uint8_t* codes, float* token_scale,
+                                 int64_t rows, int64_t row_groups, int sms) {
+  const int blocks = static_cast<int>(std::min<int64_t>(rows, static_cast<int64_t>(sms) * 8));
+  const int held = static_cast<int>((row_groups + kFoldTeams - 1) / kFoldTeams);
+  auto kernel = held <= 1   ? QuantizeFoldedKernel<kBf16, kSiluMul, 1>
+                : held <= 2 ? QuantizeFoldedKernel<kBf16, kSiluMul, 2>
+                : held <= 4 ? QuantizeFoldedKernel<kBf16, kSiluMul, 4>
+                            : QuantizeFoldedKernel<kBf16, kSiluMul, kFoldMaxHeld>;
+  kernel<<<blocks, 256, 0, stream>>>(x, codes, token_scale, rows, row_groups);
+  return cudaGetLastError();
+}
+
 template <bool kSiluMul>
 void LaunchQuantizeGroups(cudaStream_t stream, int blocks, bool bf16, const void* x, uint8_t* codes, float* scales,
                           int64_t groups, int64_t row_groups, bool ue8m0) {
@@ -148,15 +272,35 @@ void LaunchQuantizeGroups(cudaStream_t stream, int blocks, bool bf16, const void
 }
 
 ffi::Error QuantizeFp8GroupsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> q,
-                                 ffi::Result<ffi::AnyBuffer> s, bool ue8m0, bool silu_mul) {
+                                 ffi::Result<ffi::AnyBuffer> s, bool ue8m0, bool silu_mul, bool folded) {
+  const char* op = silu_mul ? "silu_mul_quantize_fp8_groups" : "quantize_fp8_groups";
   int64_t rows = 0, k = 0;  // k: the output's (quantized) channels
-  if (auto err = CheckQuantizeGroups(x, *q, *s, silu_mul, &rows, &k); err.failure()) return err;
+  if (auto err = CheckQuantizeGroups(x, *q, *s, silu_mul, &rows, &k, folded); err.failure()) return err;
+  if (folded) {
+    if (!ue8m0) return Invalid(op, "the folded layout takes UE8M0 scales (ue8m0=True)");
+    if (k / kGroup > kFoldTeams * kFoldMaxHeld)
+      return Invalid(op, "the folded layout's kernel takes rows of at most " +
+                             std::to_string(kFoldTeams * kFoldMaxHeld * kGroup) + " channels");
+  }
   const int64_t groups = rows * (k / kGroup);
   if (groups == 0) return ffi::Error::Success();
   int sms = 132, dev = 0;
   cudaGetDevice(&dev);
   cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
   const bool bf16 = x.element_type() == ffi::BF16;
+  if (folded) {
+    auto* codes = static_cast<uint8_t*>(q->untyped_data());
+    auto* token = static_cast<float*>(s->untyped_data());
+    const void* in = x.untyped_data();
+    const int64_t rg = k / kGroup;
+    const cudaError_t err =
+        bf16 ? (silu_mul ? LaunchQuantizeFolded<true, true>(stream, in, codes, token, rows, rg, sms)
+                         : LaunchQuantizeFolded<true, false>(stream, in, codes, token, rows, rg, sms))
+             : (silu_mul ? LaunchQuantizeFolded<false, true>(stream, in, codes, token, rows, rg, sms)
+                         : LaunchQuantizeFolded<false, false>(stream, in, codes, token, rows, rg, sms));
+    if (err != cudaSuccess) return ffi::Error::Internal(std::string(op) + ": launch failed: " + cudaGetErrorString(err));
+    return ffi::Error::Success();
+  }
   const int per_sm = silu_mul ? (bf16 ? BlocksPerSm<true, true>() : BlocksPerSm<false, true>()) : kBlocksPerSm;
   const int blocks = static_cast<int>(
       std::min<int64_t>((groups + 16 * kUnroll - 1) / (16 * kUnroll), static_cast<int64_t>(sms) * per_sm));
@@ -166,8 +310,7 @@ ffi::Error QuantizeFp8GroupsCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::Res
   if (silu_mul) LaunchQuantizeGroups<true>(stream, blocks, bf16, in, codes, scales, groups, k / kGroup, ue8m0);
   else LaunchQuantizeGroups<false>(stream, blocks, bf16, in, codes, scales, groups, k / kGroup, ue8m0);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
-    return ffi::Error::Internal(std::string(silu_mul ? "silu_mul_quantize_fp8_groups" : "quantize_fp8_groups") +
-                                ": launch failed: " + cudaGetErrorString(err));
+    return ffi::Error::Internal(std::string(op) + ": launch failed: " + cudaGetErrorString(err));
   return ffi::Error::Success();
 }
 
@@ -181,5 +324,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8QuantizeFp8GroupsCuda, jax_w4a8::QuantizeFp
                                   .Ret<xla::ffi::AnyBuffer>()   // codes
                                   .Ret<xla::ffi::AnyBuffer>()   // scales
                                   .Attr<bool>("ue8m0")
-                                  .Attr<bool>("silu_mul"),
+                                  .Attr<bool>("silu_mul")
+                                  .Attr<bool>("folded"),  // layout="folded": codes in the folded K order, token scales
                               {xla::ffi::Traits::kCmdBufferCompatible});

@@ -35,7 +35,14 @@ struct GemmArgs {
   int64_t m, n, k, e, groups;
   int x_scale_kind;  // XScaleKind
   bool w_scale_bf16, out_bf16;
+  bool x_folded;  // x in the folded K order (x_layout="folded"; its scale per token)
 };
+
+// Where code kk (< 128) of a K group sits in the folded K order: word c + 8 i of the group at word 4 c + i.
+__device__ __forceinline__ int FoldedOffset(int kk) {
+  const int word = kk / 4;
+  return 4 * (4 * (word % 8) + word / 8) + kk % 4;
+}
 
 // Writes the expert of each of the block's rows into row_expert (-1: padding). Warp 0 runs a
 // saturating inclusive scan over group_sizes, 32 experts at a time.
@@ -97,7 +104,7 @@ __global__ void __launch_bounds__(simple::kThreads) GroupedGemmSimpleKernel(Gemm
         for (int i = threadIdx.x; i < kTileM * kK; i += blockDim.x) {
           const int rr = i / kK, kk = i % kK;
           const int64_t row = r0 + rr;
-          s.a[rr][kk] = (rr >= seg && rr < seg_end && row < a.m) ? E4m3ToFloat(a.x[row * a.k + g * kK + kk]) : 0.0f;
+          s.a[rr][kk] = (rr >= seg && rr < seg_end && row < a.m) ? E4m3ToFloat(a.x[row * a.k + g * kK + (a.x_folded ? FoldedOffset(kk) : kk)]) : 0.0f;
         }
         for (int i = threadIdx.x; i < kTileN * kK; i += blockDim.x) {
           const int cc = i / kK, kk = i % kK;
@@ -131,14 +138,14 @@ __global__ void __launch_bounds__(simple::kThreads) GroupedGemmSimpleKernel(Gemm
 
 ffi::Error LaunchSimple(cudaStream_t stream, const GroupedGemmDims& d, const ffi::AnyBuffer& x,
                         const ffi::AnyBuffer& x_scale, const ffi::AnyBuffer& w, const ffi::AnyBuffer& w_scale,
-                        const ffi::AnyBuffer& group_sizes, ffi::AnyBuffer& out) {
+                        const ffi::AnyBuffer& group_sizes, ffi::AnyBuffer& out, bool x_folded = false) {
   if ((d.n + kTileN - 1) / kTileN > 65535)
     return Invalid("w4a8_grouped_gemm", "the simple kernel takes at most 65535 column tiles (N <= " +
                                             std::to_string(65535 * kTileN) + ")");
   GemmArgs a{static_cast<const uint8_t*>(x.untyped_data()), static_cast<const float*>(x_scale.untyped_data()),
              static_cast<const int8_t*>(w.untyped_data()), w_scale.untyped_data(),
              static_cast<const int32_t*>(group_sizes.untyped_data()), out.untyped_data(),
-             d.m, d.n, d.k, d.e, d.groups, static_cast<int>(d.x_scale_kind), d.w_scale_bf16, d.out_bf16};
+             d.m, d.n, d.k, d.e, d.groups, static_cast<int>(d.x_scale_kind), d.w_scale_bf16, d.out_bf16, x_folded};
   const dim3 grid(static_cast<unsigned>((d.m + kTileM - 1) / kTileM),
                   static_cast<unsigned>((d.n + kTileN - 1) / kTileN));
   GroupedGemmSimpleKernel<<<grid, simple::kThreads, 0, stream>>>(a);
@@ -151,10 +158,16 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
                                ffi::AnyBuffer w, ffi::AnyBuffer w_scale, ffi::AnyBuffer group_sizes,
                                ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> scratch,
                                int32_t tile_tokens, int32_t split_k, int32_t mma, int32_t kernel,
-                               int32_t experts_per_chunk) {
+                               int32_t experts_per_chunk, bool x_folded) {
   GroupedGemmDims d;
   if (auto err = CheckGroupedGemm(x, x_scale, w, w_scale, group_sizes, *out, &d); err.failure())
     return err;
+  // x_layout="folded": the 128-token e4m3 kernel that reads folded activations (or, off Hopper, the simple kernel
+  // reading that K order), with one multiplier per token.
+  const bool per_token = d.x_scale_kind == XScaleKind::kToken || (d.x_scale_kind == XScaleKind::kTensor && d.m == 1);
+  if (x_folded && (!per_token || kernel != 0 || mma != 0 || tile_tokens != 128))
+    return Invalid("w4a8_grouped_gemm", "folded activations (x_layout 'folded') take one scale per token and run "
+                                        "the native kernel's 128-token e4m3 tiles");
   if (split_k < 1 || split_k > d.groups) return Invalid("w4a8_grouped_gemm", "split_k must be in [1, K/128]");
   if (mma != 0 && mma != 1) return Invalid("w4a8_grouped_gemm", "mma must be 0 (e4m3) or 1 (f16)");
   if (kernel < 0 || kernel > 2)
@@ -201,15 +214,16 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   p.int4_f16 = mma == 1;
   const char* why = nullptr;
   if (!HopperGemmSupported(p, &why)) {  // e.g. not a Hopper GPU: the simple kernel is always correct
-    return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out);
+    return LaunchSimple(stream, d, x, x_scale, w, w_scale, group_sizes, *out, x_folded);
   }
   // f16 MMA: the activations as f16 follow the scales; e4m3 at 128-token tiles: the token multipliers and
   // folded activations (then the split-K region).
-  p.fold_x = W4a8FoldsActivationScales(tile_tokens, p.int4_f16);
+  p.x_folded = x_folded;
+  p.fold_x = W4a8FoldsActivationScales(tile_tokens, p.int4_f16) && !x_folded;
   const size_t xh_bytes = p.int4_f16 ? HopperGemmF16ActivationBytes(d.m, 1, d.k)
                           : p.fold_x ? HopperGemmFoldBytes(d.m, 1, d.k)
                                      : 0;
-  const size_t need = W4a8GroupedGemmScratchNeed(d.m, d.e, d.n, d.k, tile_tokens, split_k, p.int4_f16);
+  const size_t need = W4a8GroupedGemmScratchNeed(d.m, d.e, d.n, d.k, tile_tokens, split_k, p.int4_f16, x_folded);
   if (scratch->size_bytes() < need)
     return Invalid("w4a8_grouped_gemm", "scratch output too small for the tile plan (" +
                                             std::to_string(scratch->size_bytes()) + " < " + std::to_string(need) + ")");
@@ -222,6 +236,10 @@ ffi::Error W4a8GroupedGemmCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBu
   if (p.fold_x) {
     p.x_tok_scale = reinterpret_cast<float*>(base + scales_bytes);
     p.x_fold = base + scales_bytes + HopperGemmFoldTokenBytes(d.m, 1);  // after the multipliers and the flag
+  }
+  if (x_folded) {
+    p.x_tok_scale = static_cast<float*>(x_scale.untyped_data());
+    p.x_fold = x.untyped_data();
   }
   p.split_ws = reinterpret_cast<float*>(base + scales_bytes + xh_bytes);
   p.split_bytes = static_cast<int64_t>(scratch->size_bytes() - scales_bytes - xh_bytes);
@@ -248,5 +266,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxW4a8GroupedGemmCuda, jax_w4a8::W4a8GroupedGemmC
                                   .Attr<int32_t>("split_k")
                                   .Attr<int32_t>("mma")  // 0: e4m3 MMA, 1: f16 MMA
                                   .Attr<int32_t>("kernel")  // 0: this library's kernels, 1: CUTLASS (prefill), 2: decode
-                                  .Attr<int32_t>("experts_per_chunk"),  // CUTLASS: experts per weight conversion
+                                  .Attr<int32_t>("experts_per_chunk")  // CUTLASS: experts per weight conversion
+                                  .Attr<bool>("x_folded"),  // x_layout="folded" (see W4a8GroupedGemmCuda)
                               {xla::ffi::Traits::kCmdBufferCompatible});
