@@ -758,6 +758,49 @@ def test_experts_fused_up_matches_the_float64_row_loop_on_gpu(rng, rows, scales)
     assert rel(got, unfused) < 4e-2
 
 
+@pytest.mark.parametrize("rows", [40, 1024])
+def test_experts_fold_activations_where_the_plan_does(rng, device, rows):
+    """UE8M0 W4A8 experts hand the gate+up and down products folded activations (the quantizers' layout="folded":
+    no preparation pass in the grouped GEMM) exactly where those products' plans fold anyway (many rows per
+    expert); the output matches the float64 row loop and, on a GPU, the standard layout's bit for bit (the same
+    128-token kernel on the same folded codes)."""
+    m = _fusable_experts(int(rng.integers(1 << 30)), e=4)
+    m.moe_up = "unfused"
+    x, sizes = jax.device_put(_expert_rows(rng, m, rows), device)
+    want = "folded" if rows == 1024 else "standard"
+    assert m.input_layout(int(x.shape[0])) == want and m._down_layout(int(x.shape[0]), 4) == want
+    graphdef, state = nnx.split(m)
+    fn = jax.jit(lambda st, a, g, layout: nnx.merge(graphdef, st)(nnx.merge(graphdef, st).quantize_input(a, layout), g),
+                 static_argnums=3)
+    got = np.asarray(fn(state, x, sizes, want), np.float32)
+    _check_experts_against_row_loop(m, x, sizes, got)
+    if want == "folded":
+        standard = np.asarray(fn(state, x, sizes, "standard"), np.float32)  # gate+up standard, down folded
+        if device.platform == "gpu":
+            np.testing.assert_array_equal(got, standard)
+        else:
+            assert rel(got, standard) < 1e-2
+
+
+def test_moe_prefill_with_folded_activations_matches_small_batches(rng, device):
+    """A UE8M0 W4A8 MoE layer over 512 tokens (1024 routed rows over 4 experts: the grouped GEMMs' plans fold, so
+    the tokens and the SiLU-mul are quantized folded) against the same layer run over batches of 32 tokens (64
+    rows, 16 per expert: standard layout, other tiles). Tokens are independent (no capacity, no dropping)."""
+    from jax_w4a8.models.deepseek import QuantConfig
+    cfg = _small_config(num_hidden_layers=2)
+    layer = layers.MoE(cfg, quant=QuantConfig.w4a8(ue8m0=True), dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    assert layer.experts.input_layout(1024) == "folded" and layer.experts.input_layout(64) == "standard"
+    graphdef, state = nnx.split(layer)
+    fn = jax.jit(lambda st, v: nnx.merge(graphdef, st)(v))
+    x = jax.device_put(jnp.asarray(rng.standard_normal((1, 512, 256)), jnp.bfloat16), device)
+    state = jax.device_put(state, device)
+    big = np.asarray(fn(state, x), np.float32)
+    small = np.concatenate([np.asarray(fn(state, x[:, i:i + 32]), np.float32) for i in range(0, 512, 32)], axis=1)
+    assert np.isfinite(big).all() and np.abs(big).max() > 0
+    row_rel = np.linalg.norm(big - small, axis=-1) / np.linalg.norm(small, axis=-1)
+    assert rel(big, small) < 1e-2 and np.median(row_rel) < 5e-3, (rel(big, small), np.median(row_rel))
+
+
 def test_moe_quantizes_its_tokens_once(rng):
     """A W4A8 MoE layer with an FP8 shared expert: one quantizer call for the tokens (routed and shared),
     one fused silu-mul quantizer each for the routed and the shared down projection; no bf16 SiLU product."""

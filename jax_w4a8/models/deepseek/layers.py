@@ -669,10 +669,32 @@ class Experts(nnx.Module):
         return self.moe_up == "fused" or tiling.moe_up_fuses(rows, experts, self.inter, self.hidden,
                                                               expected_rows=expected_rows)
 
-    def quantize_input(self, x):
+    def input_layout(self, rows: int, experts: int | None = None, expected_rows: int | None = None) -> str:
+        """The activation layout (``ops.LAYOUTS``) in which :meth:`quantize_input` hands ``rows`` routed rows to
+        the gate+up product: "folded" (UE8M0 scales folded into the codes by the quantizer, a multiplier per
+        token: the grouped GEMM then skips its preparation pass) where the product's plan runs the 128-token e4m3
+        kernel that folds anyway (``tiling.folds_activations``: prefill, many rows per expert) and the fused
+        up-projection does not take the rows; "standard" otherwise."""
+        experts = experts or self.num_experts
+        if not (self.quantizes_input and self.ue8m0) or self._fuses_up(rows, experts, expected_rows):
+            return "standard"
+        plan = tiling.plan_grouped_gemm(rows, experts, 2 * self.inter, self.hidden)
+        return "folded" if tiling.folds_activations(plan) else "standard"
+
+    def quantize_input(self, x, layout: str = "standard"):
         """x [R, D] -> (e4m3 [R, D], fp32 scales [R, D/128]) as the W4A8 gate+up product takes them
-        (:func:`quantize_act_groups`; powers of two when ``ue8m0``)."""
+        (:func:`quantize_act_groups`; powers of two when ``ue8m0``), or with ``layout="folded"`` (``ue8m0``
+        only; :meth:`input_layout`) (e4m3 [R, D] folded, fp32 token multipliers [R])."""
+        if layout == "folded":
+            return ops.quantize_fp8_groups(x.astype(self.dtype), BLOCK, True, layout="folded")
         return quantize_act_groups(x.astype(self.dtype), self.ue8m0)
+
+    def _down_layout(self, rows: int, experts: int) -> str:
+        """The down projection's input layout: folded where its plan folds (UE8M0 scales; as :meth:`input_layout`)."""
+        if not self.ue8m0:
+            return "standard"
+        plan = tiling.plan_grouped_gemm(rows, experts, self.hidden, self.inter)
+        return "folded" if tiling.folds_activations(plan) else "standard"
 
     def _w4a8(self, x_sorted, group_sizes, expected_rows):
         w13, w13_s, w2, w2_s = (self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], self.down_proj[...],
@@ -688,13 +710,18 @@ class Experts(nnx.Module):
                 h8 = qlib.quantize_fp8_tensor(silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype), s2)
             return ops.w4a8_grouped_gemm(h8, s2, w2, w2_s, group_sizes, out_dtype=self.dtype)
         x8, xs = x_sorted if isinstance(x_sorted, tuple) else self.quantize_input(x_sorted)
-        if self._fuses_up(x8.shape[0], w13.shape[0], expected_rows):  # w13: this device's experts under EP
+        # (codes, one multiplier per row): folded by quantize_input (input_layout); group scales are 2-D
+        x_layout = "folded" if xs.ndim == 1 else "standard"
+        if x_layout == "standard" and self._fuses_up(x8.shape[0], w13.shape[0], expected_rows):
+            # w13: this device's experts under EP
             h8, hs = ops.w4a8_moe_up(x8, xs, w13, w13_s, group_sizes, ue8m0=self.ue8m0, fused=True)
+            h_layout = "standard"
         else:
-            gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype)
+            gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype, x_layout=x_layout)
             # silu(gate) * up in float32 and the down projection's quantization: one kernel, h never in memory
-            h8, hs = ops.silu_mul_quantize_fp8_groups(gu, self.ue8m0)
-        return ops.w4a8_grouped_gemm(h8, hs, w2, w2_s, group_sizes, out_dtype=self.dtype)
+            h_layout = self._down_layout(x8.shape[0], w2.shape[0])
+            h8, hs = ops.silu_mul_quantize_fp8_groups(gu, self.ue8m0, layout=h_layout)
+        return ops.w4a8_grouped_gemm(h8, hs, w2, w2_s, group_sizes, out_dtype=self.dtype, x_layout=h_layout)
 
     def __call__(self, x_sorted, group_sizes, *, expected_rows: int | None = None):
         """x_sorted [R, D] rows sorted by expert (or, when :attr:`quantizes_input`, the pair
@@ -766,7 +793,13 @@ class MoE(nnx.Module):
         ids, weights = self.gate(xf)
         # W4A8 experts take their rows quantized: the N tokens once (the shared expert's quantizer call
         # too, merged by XLA), not their N * top_k gathered rows; under EP fp8 rows travel.
-        rows = self.experts.quantize_input(xf) if getattr(self.experts, "quantizes_input", False) else xf
+        if getattr(self.experts, "quantizes_input", False):
+            # folded at prefill sizes (Experts.input_layout); under expert parallelism the rows stay standard
+            layout = ("standard" if self.expert_parallel is not None else
+                      self.experts.input_layout(xf.shape[0] * ids.shape[1]))
+            rows = self.experts.quantize_input(xf, layout)
+        else:
+            rows = xf
         if self.expert_parallel is None:
             y = moe.moe_apply(rows, ids, weights, self.experts, self.num_experts, out_dtype=F32)
         else:
