@@ -30,6 +30,8 @@
 //                (FoldTokenActivations); a call it cannot fold runs the plain kernel, launched after it. It
 //                reads the activations in a K order of its own (StoreFoldedKOrder) so that each thread's int4
 //                codes of a K step are one 32-bit word of its 16-byte chunk of the weight row (no byte gather).
+//                x_folded (x_layout="folded"): the caller's quantizer wrote that layout (quantize_fp8_groups.cu,
+//                QuantizeFoldedKernel), so this kernel runs alone, without the preparation.
 // Block-scaled einsum at 128- and 192-token tiles (ConsumeTokenRows): the same stages, but two or three
 //                consumer warpgroups put 64 tokens each on wgmma's A side and the 128 weight rows on
 //                its N side, taking turns.
