@@ -451,7 +451,11 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
         mma = "f16" if plan.tile_tokens in F16_TILE_TOKENS else "e4m3"
     if split_k is None and mma == "f16" and plan.split_k > 1 and _one_wide_wave(plan, busy, rows, n, num_sms):
         plan = _plan(m, 1, n, k, e, rows, plan.tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles, split_k=1)
-    return _with_mma(plan, mma, m, k, GROUPED_TILE_TOKENS, x_folded=x_folded)
+    plan = _with_mma(plan, mma, m, k, GROUPED_TILE_TOKENS, x_folded=x_folded)
+    if x_folded and not folds_activations(plan):
+        raise ValueError("folded activations (x_folded) run the native kernel's 128-token e4m3 tiles: pass "
+                         "tile_tokens=128, mma='e4m3'")
+    return plan
 
 
 def folds_activations(plan: GemmPlan) -> bool:

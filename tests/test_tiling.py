@@ -607,3 +607,12 @@ def test_einsum_without_heads_plans_without_dividing_by_zero():
     for m, tile in ((9, None), (0, 16), (4096, 64)):
         plan = tiling.plan_fp8_einsum(m, 0, 4096, 7168, tile_tokens=tile, cutlass=False)
         assert plan.split_k == 1 and plan.scratch_bytes == 0
+
+
+def test_folded_plans_run_the_folding_kernel():
+    p = tiling.plan_grouped_gemm(64, 8, 256, 512, tile_tokens=128, mma="e4m3", x_folded=True)
+    assert tiling.folds_activations(p)
+    standard = tiling.plan_grouped_gemm(64, 8, 256, 512, tile_tokens=128, mma="e4m3")
+    assert standard.scratch_bytes - p.scratch_bytes >= 64 * 512  # no folded copy of the activations
+    with pytest.raises(ValueError, match="x_folded"):
+        tiling.plan_grouped_gemm(64, 8, 256, 512, x_folded=True)  # the plan's own tile (not 128 here)
