@@ -323,18 +323,19 @@ def fold_fp8_groups(codes, scales):
 
     Per token (the last axis): ``s_max`` = its largest scale, ``t`` = its largest ``|code| * scale`` (NaN codes
     left out), the lift ``j = clip(floor(log2(448 s_max / t)) - 1, 0, 15)`` (0 where ``t`` is 0), so that the
-    token's largest folded code lands in [112, 448); each code is multiplied by ``2**(e_g - e_max + j)`` (exact
-    in float32) and rounded to e4m3 once, nearest even, and the token's multiplier is ``s_max * 2**-j``. A folded
-    code below e4m3's smallest normal (2**-6) rounds to a multiple of 2**-9: each activation moves by at most
-    2**-10 of its token's multiplier, which is under 2**-16.8 of the token's largest ``|x * scale|`` except for
-    tokens whose lift the cap of 15 cuts (their largest code times its scale below ``448 s_max 2**-17``:
-    quantized activations below about 2**-30). NaN codes stay NaN.
+    token's largest folded code lands in [112, 448] (lift 0 for the quantizer's codes of a token whose largest
+    |x| reaches its 1e-4 floor: its largest-scale group's largest code is at least 224); each code is multiplied
+    by ``2**(e_g - e_max + j)`` (exact in float32) and rounded to e4m3 once, nearest even, and the token's
+    multiplier is ``s_max * 2**-j``. A folded code below e4m3's smallest normal (2**-6) rounds to a multiple of
+    2**-9: each activation moves by at most 2**-10 of its token's multiplier, which is under 2**-16.8 of the
+    token's largest ``|x * scale|`` except for tokens whose lift the cap of 15 cuts (their largest code times its
+    scale below ``448 s_max 2**-17``: quantized activations below about 2**-30). NaN codes stay NaN.
 
     Args:
       codes: float8_e4m3fn [..., K], K a multiple of 128.
       scales: float32 [..., K / 128], each a UE8M0 value (a power of two in [2**-126, 2**127]) as
         :func:`quantize_fp8_groups` with ``ue8m0=True`` makes them; other values fold inexactly (not checked:
-        that needs the values; ``ops`` checks concrete scales).
+        that would need the values).
     Returns:
       (float8_e4m3fn [..., K] in the folded K order (:func:`to_folded_k_order`), float32 [...]).
     """

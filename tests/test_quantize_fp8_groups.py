@@ -216,21 +216,24 @@ def test_folded_layout_matches_float64(rng, device, dtype, groups):
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-@pytest.mark.parametrize("groups", [3, 16, 56])
-def test_silu_mul_folded_layout_is_the_fold_of_its_codes(rng, device, dtype, groups):
+@pytest.mark.parametrize("rows, groups", [(37, 3), (37, 16), (37, 56), (3, 128), (2500, 16)])
+def test_silu_mul_folded_layout_is_the_fold_of_its_codes(rng, device, dtype, rows, groups):
     """silu_mul_quantize_fp8_groups(layout="folded") (the down projection's input, folded): the float64 fold of the
-    same call's standard codes and scales, bit for bit."""
+    same call's standard codes and scales, bit for bit. The CUDA kernel's largest rows (128 groups held in
+    registers, float32 gate and up) and more rows than its grid has blocks (8 per SM: each block then folds rows
+    one after another, reusing its shared memory)."""
     inter = 128 * groups
-    x = (rng.standard_normal((37, 2 * inter)) * np.exp2(rng.uniform(-6, 6, (37, 1)))).astype(np.float32)
+    x = (rng.standard_normal((rows, 2 * inter)) * np.exp2(rng.uniform(-6, 6, (rows, 1)))).astype(np.float32)
     x[0] = 0.0
     x[1, :inter] = -1e4  # silu of a large negative gate: -0 codes
     x = jnp.asarray(x, dtype)
     f = functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=True, layout="folded", impl="ffi")
     if device.platform == "gpu":
-        q, t = run_poisoned(f, ((37, inter), (37,)), (jnp.float8_e4m3fn, jnp.float32), (x,), device)
+        q, t = run_poisoned(f, ((rows, inter), (rows,)), (jnp.float8_e4m3fn, jnp.float32), (x,), device)
     else:
         q, t = (np.asarray(a) for a in jax.jit(f)(jax.device_put(x, device)))
-    std = jax.jit(functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=True, impl="ffi"))(jax.device_put(x, device))
+    std = jax.jit(functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=True, impl="ffi"))(
+        jax.device_put(x, device))
     ref_q, ref_t = np_ref.fold_groups(*(np.asarray(a) for a in std))
     assert _same_codes(q, ref_q)
     np.testing.assert_array_equal(t, ref_t)

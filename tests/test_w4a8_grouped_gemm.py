@@ -557,7 +557,8 @@ def _fold_flag(args, device):
                             (jax.ShapeDtypeStruct((m, n), jnp.float32),
                              jax.ShapeDtypeStruct((plan.scratch_bytes,), jnp.uint8)))
     _, scratch = jax.jit(lambda *a: call(*a, tile_tokens=np.int32(128), split_k=np.int32(plan.split_k),
-                                         mma=np.int32(0), kernel=np.int32(0), experts_per_chunk=np.int32(0)))(
+                                         mma=np.int32(0), kernel=np.int32(0), experts_per_chunk=np.int32(0),
+                                         x_folded=False))(
         x8, x_scale, w, w_scale, gs)
     mp = -(-m // 4) * 4
     at = -(-(k // 128 * mp * 4) // 256) * 256 + mp * 4
@@ -867,7 +868,7 @@ def test_first_call_inside_a_command_buffer_on_gpu(rng, kernel):
 @pytest.mark.parametrize("m, k, n, sizes", [
     (203, 896, 136, [70, 0, 57, 1, 72]),   # 3 padding rows, an empty expert
     (300, 512, 256, [140, 0, 100, 60]),     # the plan splits K (stream-K)
-    (64, 2048, 8192, [30, 34]),             # wide N: whole-K tiles
+    (64, 2048, 8192, [30, 34]),             # wide N
     (1, 256, 40, [1, 0]),                   # one token (its multiplier passed as [1])
     (37, 128, 40, [-5, 2**31 - 1, 7]),      # hostile group sizes: clamped, the rest padding
 ])

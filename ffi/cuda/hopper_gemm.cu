@@ -2238,8 +2238,9 @@ cudaError_t LaunchHopperGemm(const HopperGemmParams& p, cudaStream_t stream) {
     auto prepare = held && groups <= 16 ? PrepareFoldHeldKernel<4>
                    : held && groups <= 64 ? PrepareFoldHeldKernel<16>
                                           : PrepareActScalesKernel;
+    // x_folded: no scale planes to write (0 groups); the launch clears the split-K counters and padding only
     prepare<<<blocks, kPrepThreads, fold_smem, stream>>>(
-        p.sx_src, p.sx_kind, p.sx, p.m, p.h, groups, mp, p.split_ws, n_zero,
+        p.sx_src, p.sx_kind, p.sx, p.m, p.h, p.x_folded ? 0 : groups, mp, p.split_ws, n_zero,
         zero_padding || p.fold_x ? p.group_sizes : nullptr, p.b, p.out, p.out_bf16, p.f,
         static_cast<const uint8_t*>(p.x), f16_x ? static_cast<uint16_t*>(p.xh) : nullptr,
         p.fold_x ? p.x_tok_scale : nullptr, p.fold_x ? static_cast<uint8_t*>(p.x_fold) : nullptr, zero_padding);

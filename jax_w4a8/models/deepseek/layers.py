@@ -686,6 +686,8 @@ class Experts(nnx.Module):
         (:func:`quantize_act_groups`; powers of two when ``ue8m0``), or with ``layout="folded"`` (``ue8m0``
         only; :meth:`input_layout`) (e4m3 [R, D] folded, fp32 token multipliers [R])."""
         if layout == "folded":
+            if not self.ue8m0:
+                raise ValueError("Experts.quantize_input: layout='folded' needs UE8M0 activation scales (ue8m0=True)")
             return ops.quantize_fp8_groups(x.astype(self.dtype), BLOCK, True, layout="folded")
         return quantize_act_groups(x.astype(self.dtype), self.ue8m0)
 
@@ -710,7 +712,8 @@ class Experts(nnx.Module):
                 h8 = qlib.quantize_fp8_tensor(silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype), s2)
             return ops.w4a8_grouped_gemm(h8, s2, w2, w2_s, group_sizes, out_dtype=self.dtype)
         x8, xs = x_sorted if isinstance(x_sorted, tuple) else self.quantize_input(x_sorted)
-        # (codes, one multiplier per row): folded by quantize_input (input_layout); group scales are 2-D
+        # (codes, one multiplier per row): folded by quantize_input (input_layout); its group scales are always
+        # 2-D ([R, D/128], also for D = 128), and standard per-token scales never reach the experts
         x_layout = "folded" if xs.ndim == 1 else "standard"
         if x_layout == "standard" and self._fuses_up(x8.shape[0], w13.shape[0], expected_rows):
             # w13: this device's experts under EP
@@ -791,8 +794,9 @@ class MoE(nnx.Module):
     def __call__(self, x):
         xf = x.reshape(-1, x.shape[-1])
         ids, weights = self.gate(xf)
-        # W4A8 experts take their rows quantized: the N tokens once (the shared expert's quantizer call
-        # too, merged by XLA), not their N * top_k gathered rows; under EP fp8 rows travel.
+        # W4A8 experts take their rows quantized: the N tokens once, not their N * top_k gathered rows (in the
+        # standard layout the shared expert's quantizer call is the same one, merged by XLA; folded, a call of
+        # its own); under EP fp8 rows travel.
         if getattr(self.experts, "quantizes_input", False):
             # folded at prefill sizes (Experts.input_layout); under expert parallelism the rows stay standard
             layout = ("standard" if self.expert_parallel is not None else
