@@ -22,8 +22,12 @@ o_proj1, 7168 x 16384; o_proj16 / o_proj32 and kv_a64 / square64: the TMA kernel
 gate+up at M = 4096 / 16384 on the 128-token kernel, e4m3 or f16 MMA), down4k_e4m3 (the down projection at M = 4096
 on the same kernel), prefill4k_fold / down4k_fold (the same two with UE8M0 activation scales: the folding e4m3
 kernel, launched with the plain one, which exits: take `--launch-skip 2`), prefill16k_fold / down16k_fold (the
-same at M = 16384: how much of the call the preparation's folding pass takes there). Each runs twice, or `--calls N` times (the
-first call compiles), so `--launch-skip 1` takes the second launch.
+same at M = 16384: how much of the call the preparation's folding pass takes there), prefill16k_folded /
+down16k_folded (the same calls on activations the quantizer folded, x_layout="folded": the folding kernel alone,
+no preparation), quantize2k / quantize2k_folded (the quantizer of 2048 tokens, K = 7168, UE8M0: the gate+up input
+of 16384 routed rows at top-8, standard or folded layout), silu16k / silu16k_folded (SiLU-mul and the quantizer of
+16384 rows, I = 2048: the down projection's input). Each runs twice, or `--calls N` times (the first call
+compiles), so `--launch-skip 1` takes the second launch.
 """
 
 import argparse
@@ -40,7 +44,8 @@ from probe_kernels import _grouped_case  # noqa: E402
 
 GROUPED_CASES = ("top8_up1", "top8_down1", "decode64", "down64", "decode512", "down512", "fused64", "fused512", "fused1024", "prefill4k_e4m3", "prefill4k_f16",
                  "prefill16k_e4m3", "prefill16k_f16", "down4k_e4m3", "prefill4k_fold", "down4k_fold", "prefill16k_fold",
-                 "down16k_fold")
+                 "down16k_fold", "prefill16k_folded", "down16k_folded", "quantize2k", "quantize2k_folded", "silu16k",
+                 "silu16k_folded")
 # einsum cases: (equation, activation shape, weight shape); the decode kernels' (one token) first
 EINSUM_CASES = {
     "absorb_o1": ("bhr,hdr->bhd", (1, 128, 512), (128, 128, 512)),  # MLA absorb_o, 128 heads
@@ -105,6 +110,18 @@ def build(case, key, tile_tokens=None, mma=None, kernel=None):
         x, xs, w, ws, gs = _grouped_case(key, m, 4096 if case.startswith("prefill") else 7168,
                                          7168 if case.startswith("prefill") else 2048, 0)
         return jax.jit(f), (x, quant.ceil_to_ue8m0(xs) if case.endswith("fold") else xs, w, ws, gs)
+    if case in ("prefill16k_folded", "down16k_folded"):  # the caller's folded activations: no preparation
+        n, k = (4096, 7168) if case.startswith("prefill") else (7168, 2048)
+        x, xs, w, ws, gs = _grouped_case(key, 16384, n, k, 0)
+        xf, tok = quant.fold_fp8_groups(x, quant.ceil_to_ue8m0(xs))
+        return jax.jit(functools.partial(ops.w4a8_grouped_gemm, x_layout="folded")), (xf, tok, w, ws, gs)
+    if case.startswith(("quantize2k", "silu16k")):  # the quantizers of a prefill's gate+up and down inputs
+        layout = "folded" if case.endswith("folded") else "standard"
+        if case.startswith("quantize"):
+            f, shape = functools.partial(ops.quantize_fp8_groups, ue8m0=True, layout=layout), (2048, 7168)
+        else:
+            f, shape = functools.partial(ops.silu_mul_quantize_fp8_groups, ue8m0=True, layout=layout), (16384, 4096)
+        return jax.jit(f), (jax.random.normal(key, shape, jnp.bfloat16),)
     if case.startswith("prefill"):  # this library's 128-token grouped kernel (gate+up), either MMA format
         m = 4096 if case.startswith("prefill4k") else 16384
         f = functools.partial(ops.w4a8_grouped_gemm, tile_tokens=128, mma=case.rsplit("_", 1)[1])

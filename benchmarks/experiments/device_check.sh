@@ -232,6 +232,28 @@ fold_next() {
 }
 export -f fold_next && export ASYNC_FOLD=${ASYNC_FOLD:-.carry/variants/asyncfold}
 step fold_next 540 bash -c fold_next
+# 5h. folded activations (sixty-third session: quantize_fp8_groups / silu_mul_quantize_fp8_groups layout="folded",
+#     w4a8_grouped_gemm x_layout="folded"): every fold GPU test (quantizers, grouped GEMM, experts, MoE), the
+#     interleaved timing of both layouts (benchmarks/bench_folded_layout.py: GEMM, quantizer, quantize + gather +
+#     GEMM; JSON in $OUT), then each kernel alone under ncu (FOLDED_NCU=0 skips it): the standard call's
+#     preparation + GEMM vs the folded call's GEMM, and the quantizers' two layouts. Not in the default STEPS:
+#     STEPS=folded (about 450 s on an H100; carry jax_w4a8/_lib).
+folded() {
+  timeout --foreground 170 python3 scripts/gpu_tests.py --shards 8 tests/test_quantize_fp8_groups.py \
+    tests/test_w4a8_grouped_gemm.py tests/test_deepseek_layers.py -k fold -m gpu 2>&1 | tail -n 12
+  timeout --foreground 170 python3 benchmarks/bench_folded_layout.py --out "$OUT" 2>&1 | grep -v -i warn | tail -n 6
+  [[ ${FOLDED_NCU:-1} == 0 ]] && return
+  local c
+  for c in prefill16k_fold prefill16k_folded down16k_fold down16k_folded quantize2k quantize2k_folded silu16k \
+           silu16k_folded; do
+    echo "## $c"
+    timeout --foreground 40 ncu --clock-control none --metrics gpu__time_duration.sum \
+      --kernel-name regex:"Prepare|HopperGemmKernel|Quantize" python3 benchmarks/profile_case.py "$c" 2>&1 \
+      | grep -E "Prepare|HopperGemmKernel<|Quantize|gpu__time_duration" | sed -e "s/(CUtensorMap.*//" | tail -n 8
+  done
+}
+export -f folded
+step folded 540 bash -c folded
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
