@@ -283,25 +283,26 @@ def _check_k(x, fn: str, arg: str):
              f"{fn}: argument '{arg}' must be [..., K] with K a positive multiple of 128, got shape {x.shape}")
 
 
+def _transpose_words(codes, fn: str, rows: int):
+    """Each 128-code group of [..., K] codes seen as a [rows, 32 / rows] grid of four-byte words, transposed."""
+    codes = jnp.asarray(codes)
+    _check_k(codes, fn, "codes")
+    lead, k = codes.shape[:-1], codes.shape[-1]
+    v = codes.reshape(lead + (k // 128, rows, 32 // rows, 4))
+    return jnp.swapaxes(v, -3, -2).reshape(codes.shape)
+
+
 def to_folded_k_order(codes):
     """The folded K order of [..., K] codes (K a multiple of 128; any dtype of one byte): within each 128-code
     group, viewed as 32 four-byte words, word ``c + 8 i`` moves to ``4 c + i`` (c < 8, i < 4): a transpose of
     the words' [4, 8] grid, so that each 16-byte chunk ``c`` holds the words the MMA thread ``c`` needs.
     Inverse: :func:`from_folded_k_order`."""
-    codes = jnp.asarray(codes)
-    _check_k(codes, "to_folded_k_order", "codes")
-    lead, k = codes.shape[:-1], codes.shape[-1]
-    v = codes.reshape(lead + (k // 128, 4, 8, 4))
-    return jnp.swapaxes(v, -3, -2).reshape(codes.shape)
+    return _transpose_words(codes, "to_folded_k_order", 4)
 
 
 def from_folded_k_order(codes):
     """Inverse of :func:`to_folded_k_order`: [..., K] in the folded K order -> the caller's K order."""
-    codes = jnp.asarray(codes)
-    _check_k(codes, "from_folded_k_order", "codes")
-    lead, k = codes.shape[:-1], codes.shape[-1]
-    v = codes.reshape(lead + (k // 128, 8, 4, 4))
-    return jnp.swapaxes(v, -3, -2).reshape(codes.shape)
+    return _transpose_words(codes, "from_folded_k_order", 8)
 
 
 def _pow2(d):

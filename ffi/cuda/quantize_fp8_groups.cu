@@ -91,6 +91,26 @@ __device__ __forceinline__ uint2 EncodeEight(const float (&v)[8], float scale, b
 // silu(g) * u in float32 (IEEE division, expf: for g << 0 exp(-g) is Inf and silu(g) is -0).
 __device__ __forceinline__ float SiluMul(float g, float u) { return __fdiv_rn(g, 1.0f + expf(-g)) * u; }
 
+// A thread's eight values of its group (with silu_mul, silu(gate) * up) and the group's largest |value| over the
+// thread's 16-thread team (NaN left out, as fmaxf does).
+template <bool kBf16, bool kSiluMul>
+__device__ __forceinline__ float GroupValues(const Raw<kBf16>& raw, const Raw<kBf16>& up, float (&v)[8],
+                                             unsigned team_mask) {
+  Unpack<kBf16>(raw, v);
+  if constexpr (kSiluMul) {
+    float w[8];
+    Unpack<kBf16>(up, w);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = SiluMul(v[i], w[i]);
+  }
+  float amax = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
+#pragma unroll
+  for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(team_mask, amax, off));
+  return amax;
+}
+
 template <bool kBf16, bool kSiluMul>
 __global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>()))
     QuantizeGroupsKernel(const void* x, uint8_t* codes, float* scales, int64_t groups, int64_t row_groups, bool ue8m0) {
@@ -117,18 +137,7 @@ __global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>()))
     for (int u = 0; u < kUnroll; ++u) {
       const int64_t g = g0 + u * teams;
       float v[8];
-      Unpack<kBf16>(raw[u], v);
-      if constexpr (kSiluMul) {
-        float w[8];
-        Unpack<kBf16>(up[u], w);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[i] = SiluMul(v[i], w[i]);
-      }
-      float amax = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) amax = fmaxf(amax, fabsf(v[i]));
-#pragma unroll
-      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(team_mask, amax, off));
+      const float amax = GroupValues<kBf16, kSiluMul>(raw[u], up[kSiluMul ? u : 0], v, team_mask);
       // An Inf (or a silu * up product past float32's range) caps the amax at FLT_MAX: its code saturates to
       // +-448 instead of Inf / Inf = NaN (UE8M0: CeilToUe8m0 of Inf is 2**127, the same saturation).
       float scale = ue8m0 ? CeilToUe8m0(__fdiv_rn(fmaxf(amax, 1e-4f), 448.0f))
@@ -194,18 +203,7 @@ __global__ void __launch_bounds__(256)
     for (int i = 0; i < kHeld; ++i) {
       const int64_t g = team + kFoldTeams * i;
       float v[8];
-      Unpack<kBf16>(raw[i], v);
-      if constexpr (kSiluMul) {
-        float w[8];
-        Unpack<kBf16>(up[i], w);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = SiluMul(v[k], w[k]);
-      }
-      float amax = 0.0f;
-#pragma unroll
-      for (int k = 0; k < 8; ++k) amax = fmaxf(amax, fabsf(v[k]));
-#pragma unroll
-      for (int off = 8; off > 0; off >>= 1) amax = fmaxf(amax, __shfl_xor_sync(team_mask, amax, off));
+      const float amax = GroupValues<kBf16, kSiluMul>(raw[i], up[kSiluMul ? i : 0], v, team_mask);
       const float scale = CeilToUe8m0(__fdiv_rn(fmaxf(amax, 1e-4f), 448.0f));  // as QuantizeGroupsKernel
       q[i] = EncodeEight(v, scale, true);
       if (sub == 0 && g < row_groups) {
