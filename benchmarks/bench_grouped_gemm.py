@@ -12,6 +12,8 @@ group-128 weight scales and the activation scales (``--x-scales``: per token and
 two (UE8M0, DeepSeek-V3.1's recipe; the default) or any float32, or one per tensor as W4AFP8 checkpoints' static
 input scales); the fp8 peers apply none. ``--trace-kernels`` adds to each row where a call's device time goes (each kernel
 family's time per call from one traced run of the timing loop: the scale / activation preparation, the GEMM, ...).
+Rows whose plan folds UE8M0 activation scales (the 128-token e4m3 kernel) also time the same call on activations
+folded beforehand (``folded_us``: ``x_layout="folded"``, as the quantizer's ``layout="folded"`` writes them).
 """
 
 from __future__ import annotations
@@ -141,6 +143,14 @@ def run(args, on_row=None):
                 r[f"mma_{other}_us"] = C.bench(f, [(x8, xs, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
                 alt_out = f(x8, xs, w4[0], ws[0], sizes).astype(jnp.float32)
                 r[f"mma_{other}_rel_err_vs_simple"] = float(jnp.linalg.norm(alt_out - simple) / jnp.linalg.norm(simple))
+            if args.x_scales == "ue8m0" and tiling.folds_activations(plan):
+                # the same activations as the quantizer's layout="folded" hands them: the GEMM without its
+                # preparation pass (ops.w4a8_grouped_gemm x_layout="folded"); the same numbers, bit for bit
+                xf, xt = quant.fold_fp8_groups(x8, xs)
+                f = jax.jit(functools.partial(ops.w4a8_grouped_gemm, x_layout="folded"))
+                r["folded_us"] = C.bench(f, [(xf, xt, w, s, sizes) for w, s in zip(w4, ws)]) * 1e6
+                r["folded_bitwise_equal"] = bool(jnp.array_equal(
+                    f(xf, xt, w4[0], ws[0], sizes).astype(jnp.float32), got))
             peers = {}
             if args.peers != "none":
                 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as pm

@@ -442,6 +442,23 @@ def test_bench_grouped_gemm_counts_the_int4_bytes_of_experts_with_rows(tmp_path,
     assert bench.read_floor_us({"N": n, "K": k}, 1e12) == pytest.approx(bench.E * n * k / 2 / 1e12 * 1e6)
 
 
+def test_bench_grouped_gemm_times_folded_activations_where_the_plan_folds(tmp_path, monkeypatch):
+    """Rows whose plan runs the folding kernel (prefill: 4096 rows over 32 experts) also time the call on activations
+    folded beforehand (x_layout="folded"); decode rows do not. CPU handler, small shapes."""
+    import argparse
+
+    bench = _load_bench("bench_grouped_gemm")
+    C = bench.C
+    _one_call_timing(monkeypatch, C)
+    monkeypatch.setattr(bench, "SHAPES", {"down": (256, 256)})
+    args = argparse.Namespace(ms=[16, 4096], quick=False, no_torch=True, x_scales="ue8m0", peers="none", tiles=[])
+    small, *big = bench.run(args)["rows"]  # M = 4096: uniform and skewed routing
+    assert "folded_us" not in small and [r["M"] for r in big] == [4096, 4096]
+    assert all(r["folded_us"] == 100.0 and isinstance(r["folded_bitwise_equal"], bool) for r in big), big
+    args = argparse.Namespace(**dict(vars(args), ms=[4096], x_scales="f32"))  # float32 group scales: no fold
+    assert not any("folded_us" in r for r in bench.run(args)["rows"])
+
+
 def test_bench_fp8_einsum_xla_fp8_peer_writes_bf16_like_ours(monkeypatch):
     """The per-tensor XLA fp8 peer does the work ours does: e4m3 x e4m3 -> bf16 [M, N] with its scale applied. A
     bf16 product times a float32 scalar promotes to float32, i.e. a second pass writing twice the output bytes,
