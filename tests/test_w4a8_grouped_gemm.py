@@ -909,4 +909,5 @@ def test_folded_layout_errors(rng):
     a = ops.w4a8_grouped_gemm(folded, jnp.float32(0.5), w, w_scale, gs, x_layout="folded", out_dtype=jnp.float32)
     b = ops.w4a8_grouped_gemm(folded, jnp.full((8,), 0.5), w, w_scale, gs, x_layout="folded", out_dtype=jnp.float32,
                               impl="reference")
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    # float32 sums in another order: within 1e-6 of the largest output (a near-cancelled one is not 1e-6 of itself)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=1e-6 * np.abs(np.asarray(b)).max())
