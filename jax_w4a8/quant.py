@@ -296,12 +296,14 @@ def to_folded_k_order(codes):
     """The folded K order of [..., K] codes (K a multiple of 128; any dtype of one byte): within each 128-code
     group, viewed as 32 four-byte words, word ``c + 8 i`` moves to ``4 c + i`` (c < 8, i < 4): a transpose of
     the words' [4, 8] grid, so that each 16-byte chunk ``c`` holds the words the MMA thread ``c`` needs.
-    Inverse: :func:`from_folded_k_order`."""
+    Same shape and dtype out. Inverse: :func:`from_folded_k_order`. Raises ValueError naming ``codes`` for a
+    last axis that is not a positive multiple of 128."""
     return _transpose_words(codes, "to_folded_k_order", 4)
 
 
 def from_folded_k_order(codes):
-    """Inverse of :func:`to_folded_k_order`: [..., K] in the folded K order -> the caller's K order."""
+    """Inverse of :func:`to_folded_k_order`: [..., K] in the folded K order -> the caller's K order (same shape and
+    dtype). Raises ValueError naming ``codes`` for a last axis that is not a positive multiple of 128."""
     return _transpose_words(codes, "from_folded_k_order", 8)
 
 
@@ -339,6 +341,9 @@ def fold_fp8_groups(codes, scales):
         that would need the values).
     Returns:
       (float8_e4m3fn [..., K] in the folded K order (:func:`to_folded_k_order`), float32 [...]).
+    Raises:
+      TypeError naming ``codes`` (not float8_e4m3fn); ValueError naming ``codes`` (K not a positive multiple of
+      128) or ``scales`` (not [..., K / 128]).
     """
     codes, scales = jnp.asarray(codes), jnp.asarray(scales, jnp.float32)
     _require(codes.dtype == _FP8, TypeError, f"fold_fp8_groups: codes must be float8_e4m3fn, got dtype {codes.dtype}")
@@ -368,7 +373,8 @@ def fold_fp8_groups(codes, scales):
 
 def unfold_fp8_groups(folded, token):
     """Dequantizes folded activations: e4m3 [..., K] in the folded K order and float32 [...] multipliers ->
-    float32 [..., K] in the caller's K order (``code * token``)."""
+    float32 [..., K] in the caller's K order (``code * token``; float32 arithmetic: ``448 * 2**127`` overflows to
+    Inf). Raises ValueError naming ``codes`` for a last axis that is not a positive multiple of 128."""
     folded, token = jnp.asarray(folded), jnp.asarray(token, jnp.float32)
     return from_folded_k_order(folded).astype(jnp.float32) * token[..., None]
 
@@ -376,7 +382,8 @@ def unfold_fp8_groups(folded, token):
 def quantize_fp8_folded(x):
     """:func:`quantize_fp8_groups` with UE8M0 scales, then :func:`fold_fp8_groups`: float [..., K] ->
     (float8_e4m3fn [..., K] in the folded K order, float32 [...] token multipliers). The W4A8 grouped GEMM's
-    128-token kernel reads this without a preparation pass (``ops.w4a8_grouped_gemm(..., x_layout="folded")``)."""
+    128-token kernel reads this without a preparation pass (``ops.w4a8_grouped_gemm(..., x_layout="folded")``).
+    Raises as :func:`quantize_fp8_groups` (``x`` not float, K not a multiple of 128)."""
     return fold_fp8_groups(*quantize_fp8_groups(x, 128, ue8m0=True))
 
 

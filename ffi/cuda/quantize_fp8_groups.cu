@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(256, (BlocksPerSm<kBf16, kSiluMul>()))
 // A block per token row (grid-stride over rows), 16 teams of 16 threads; team q quantizes groups q + 16 i
 // (i < kHeld, so rows of up to 16 kHeld groups) as QuantizeGroupsKernel does, with UE8M0 scales, and keeps the
 // codes. The row's largest scale exponent e_max and rel = max_g (largest |code| of g) 2^(e_g - e_max) give the
-// lift j (jax_w4a8.quant.fold_fp8_groups: the largest folded code in [112, 448), j in [0, 15]); each group's
+// lift j (jax_w4a8.quant.fold_fp8_groups: the largest folded code in [112, 448], j in [0, 15]); each group's
 // codes are then multiplied by 2^(e_g - e_max + j) through f16 (ScaleE4m3x4: one rounding to e4m3, as
 // hopper_gemm.cu's FoldChunk) and stored in the folded K order, and the row's multiplier is 2^(e_max - j).
 constexpr int kFoldTeams = 16;

@@ -676,10 +676,9 @@ class Experts(nnx.Module):
         kernel that folds anyway (``tiling.folds_activations``: prefill, many rows per expert) and the fused
         up-projection does not take the rows; "standard" otherwise."""
         experts = experts or self.num_experts
-        if not (self.quantizes_input and self.ue8m0) or self._fuses_up(rows, experts, expected_rows):
+        if not self.quantizes_input or self._fuses_up(rows, experts, expected_rows):
             return "standard"
-        plan = tiling.plan_grouped_gemm(rows, experts, 2 * self.inter, self.hidden)
-        return "folded" if tiling.folds_activations(plan) else "standard"
+        return self._layout_for(rows, experts, 2 * self.inter, self.hidden)
 
     def quantize_input(self, x, layout: str = "standard"):
         """x [R, D] -> (e4m3 [R, D], fp32 scales [R, D/128]) as the W4A8 gate+up product takes them
@@ -693,10 +692,12 @@ class Experts(nnx.Module):
 
     def _down_layout(self, rows: int, experts: int) -> str:
         """The down projection's input layout: folded where its plan folds (UE8M0 scales; as :meth:`input_layout`)."""
-        if not self.ue8m0:
-            return "standard"
-        plan = tiling.plan_grouped_gemm(rows, experts, self.hidden, self.inter)
-        return "folded" if tiling.folds_activations(plan) else "standard"
+        return self._layout_for(rows, experts, self.hidden, self.inter)
+
+    def _layout_for(self, rows: int, experts: int, n: int, k: int) -> str:
+        """"folded" where UE8M0 activations meet a grouped GEMM [rows, k] x [experts, n, k] whose plan folds."""
+        folds = self.ue8m0 and tiling.folds_activations(tiling.plan_grouped_gemm(rows, experts, n, k))
+        return "folded" if folds else "standard"
 
     def _w4a8(self, x_sorted, group_sizes, expected_rows):
         w13, w13_s, w2, w2_s = (self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], self.down_proj[...],
