@@ -676,8 +676,8 @@ class Experts(nnx.Module):
         kernel that folds anyway (``tiling.folds_activations``: prefill, many rows per expert) and the fused
         up-projection does not take the rows; "standard" otherwise."""
         experts = experts or self.num_experts
-        if not self.quantizes_input or self._fuses_up(rows, experts, expected_rows):
-            return "standard"
+        if not (self.quantizes_input and self.ue8m0) or self._fuses_up(rows, experts, expected_rows):
+            return "standard"  # (only UE8M0 folds: no fusion decision, hence no plan, for float32 scales)
         return self._layout_for(rows, experts, 2 * self.inter, self.hidden)
 
     def quantize_input(self, x, layout: str = "standard"):
