@@ -82,6 +82,15 @@ class ExpertParallel:
             return self.dispatch
         return "gather" if num_tokens <= self.gather_max_tokens else "all_to_all"
 
+    def buffer_rows(self, num_tokens: int, top_k: int) -> int:
+        """The rows each device's ``experts_fn`` receives for ``num_tokens`` tokens routed to ``top_k`` experts
+        (static; the real ones first, the rest padding): all ``num_tokens * top_k`` slots under ``"gather"``, ``n``
+        chunks of ``ceil(num_tokens / n)`` whole tokens' slots under ``"all_to_all"`` (room for every slot to land on
+        one device). The grouped GEMMs plan their tiles from it (and so the activation layout they take)."""
+        if self.strategy(num_tokens) == "gather":
+            return num_tokens * top_k
+        return self.size * -(-num_tokens // self.size) * top_k
+
 
 def _sort_local(expert_local, valid, e_local: int):
     """Rows sorted by local expert (invalid rows last): (order, inverse, group_sizes [e_local])."""
@@ -156,8 +165,8 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
     tokens, k = ids.shape
     t_local = -(-tokens // n)
     pad = t_local * n - tokens
-    if pad:
-        x = map_rows(x, lambda a: jnp.pad(a, ((0, pad), (0, 0))))
+    if pad:  # (x's arrays: [N, D] rows, or [N] folded-layout token multipliers)
+        x = map_rows(x, lambda a: jnp.pad(a, ((0, pad),) + ((0, 0),) * (a.ndim - 1)))
         ids = jnp.pad(ids, ((0, pad), (0, 0)))
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
     start = d * t_local
@@ -208,8 +217,8 @@ def moe_apply_ep(x, topk_ids, topk_weights, expert_params: Any, experts_fn: Call
 
     Args:
       x: [N, D] expert inputs, replicated over the mesh; or a tuple of arrays of N rows (tokens already
-        quantized: fp8 codes [N, D] and scales [N, D/128]), gathered and exchanged alike (fp8 rows move
-        half the bytes of bf16 ones).
+        quantized: fp8 codes [N, D] and scales [N, D/128], or in the folded layout codes [N, D] and token
+        multipliers [N]), gathered and exchanged alike (fp8 rows move half the bytes of bf16 ones).
       topk_ids: int [N, K]; topk_weights: float32 [N, K] (replicated).
       expert_params: a pytree whose every leaf has the expert axis first ([E, ...]), sharded over
         ``"expert"`` (or placeable so).

@@ -108,6 +108,42 @@ def test_w4a8_tokens_travel_as_fp8(ckpt):
 
 
 @pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_ue8m0_prefill_tokens_travel_folded(ckpt, dispatch):
+    """UE8M0 W4A8 experts under EP take their tokens in the folded layout where each device's gate+up product
+    plans the folding kernel for its buffer (161 tokens x top-2 over 4 devices: about 320 rows for 2 local
+    experts; one device with all 8 experts plans standard tiles for the same rows): fp8 codes and one float32
+    multiplier per token travel (the multipliers padded to whole chunks), both grouped GEMMs take [rows]
+    multipliers, and the logits are the single-device ones. 18 tokens stay in the standard layout."""
+    import re
+    devices = jax.devices("cpu")
+    ids = np.random.default_rng().integers(0, CFG["vocab_size"], (1, 161)).astype(np.int32)
+    mesh = sharding.make_mesh(4, devices)
+    model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, ue8m0=True, progress=False, mesh=mesh,
+                            dispatch=dispatch)
+
+    def scales_of_gemms(t):
+        hlo = jax.jit(lambda v: model(v)).lower(jnp.asarray(t)).as_text()
+        gemms = re.findall(r"custom_call @jax_w4a8_w4a8_grouped_gemm.*?: \(tensor<[^>]*>, tensor<([^>]*)>", hlo)
+        return gemms, re.findall(r"stablehlo\.all_to_all.*?-> tensor<([^>]*)>", hlo)
+
+    rows = 161 * 2 if dispatch == "gather" else 4 * 41 * 2
+    gemms, moved = scales_of_gemms(ids)
+    assert gemms == [f"{rows}xf32"] * 2, gemms     # gate+up and down: folded, [rows] token multipliers
+    if dispatch == "all_to_all":
+        assert "4x82xf32" in moved and "4x82x256xui8" in moved, moved  # 41 tokens' 82 slots per chunk
+    small = IDS.size * 2 if dispatch == "gather" else 4 * 5 * 2
+    assert scales_of_gemms(IDS)[0] == [f"{small}x2xf32", f"{small}x1xf32"]  # standard: [rows, K / 128]
+    with jax.default_device(devices[0]):
+        single = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, ue8m0=True, progress=False)
+        assert single.model.layers[1].mlp.experts.input_layout(ids.size * 2) == "standard"
+        ref = _logits(single, ids)
+    out = _logits(model, ids)
+    err = np.abs(out - ref).max() / np.abs(ref).max()
+    assert err <= 2e-6, err
+    np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
+
+
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
 def test_zero_tokens(dispatch):
     from jax_w4a8.expert_parallel import moe_apply_ep
     mesh = sharding.make_mesh(2, jax.devices("cpu"))
@@ -149,6 +185,7 @@ def test_auto_dispatch_by_tokens():
     mesh = sharding.make_mesh(2, jax.devices("cpu"))
     ep = ExpertParallel(mesh, "auto", gather_max_tokens=16)
     assert ep.strategy(16) == "gather" and ep.strategy(17) == "all_to_all"
+    assert ep.buffer_rows(16, 8) == 16 * 8 and ep.buffer_rows(17, 8) == 2 * 9 * 8  # all slots; 2 chunks of 9 tokens
     with pytest.raises(ValueError, match="'dispatch'"):
         ExpertParallel(mesh, "ring")
     with pytest.raises(ValueError, match="'exchange'"):

@@ -798,19 +798,20 @@ class MoE(nnx.Module):
         # W4A8 experts take their rows quantized: the N tokens once, not their N * top_k gathered rows (in the
         # standard layout the shared expert's quantizer call is the same one, merged by XLA; folded, a call of
         # its own); under EP fp8 rows travel.
+        ep = self.expert_parallel
+        # under EP each device's buffer has room for all N * top_k rows (ep.buffer_rows); its experts expect 1 / n
+        expected = None if ep is None else -(-ids.size // ep.size)
         if getattr(self.experts, "quantizes_input", False):
-            # folded at prefill sizes (Experts.input_layout); under expert parallelism the rows stay standard
-            layout = ("standard" if self.expert_parallel is not None else
-                      self.experts.input_layout(xf.shape[0] * ids.shape[1]))
+            # folded at prefill sizes (Experts.input_layout), as each device's gate+up product plans its rows
+            layout = (self.experts.input_layout(ids.size) if ep is None else
+                      self.experts.input_layout(ep.buffer_rows(*ids.shape), self.num_experts // ep.size, expected))
             rows = self.experts.quantize_input(xf, layout)
         else:
             rows = xf
-        if self.expert_parallel is None:
+        if ep is None:
             y = moe.moe_apply(rows, ids, weights, self.experts, self.num_experts, out_dtype=F32)
         else:
             graphdef, state = nnx.split(self.experts)
-            # each device's buffer has room for all N * top_k rows; its experts expect 1 / n of them
-            expected = -(-ids.size // self.expert_parallel.size)
             y = expert_parallel.moe_apply_ep(
                 rows, ids, weights, state,
                 lambda st, xs, gs: nnx.merge(graphdef, st)(xs, gs, expected_rows=expected), self.num_experts,
