@@ -393,6 +393,10 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
                       cutlass: bool | None = None, split_k: int | None = None, x_folded: bool = False) -> GemmPlan:
     """Plan for ``w4a8_grouped_gemm`` with x [M, K] and w [E, N, K/2]; rows per expert default M / E.
 
+    ``rows_per_expert``: the rows each expert is expected to get where M counts padding too (expert parallelism:
+    each device's buffer has room for every routed row); the plan is then the one for E * rows_per_expert rows
+    routed uniformly (the experts expected to get none included) over the M rows' buffer.
+
     ``mma`` None picks the operand format from the tile (module docstring); "e4m3" or "f16" forces it
     ("e4m3" without ``tile_tokens`` keeps the plan off the f16-only 8-token tile).
     ``kernel``: None lets the plan choose (the CUTLASS path for bfloat16 output from
@@ -441,7 +445,9 @@ def plan_grouped_gemm(m: int, e: int, n: int, k: int, *, rows_per_expert: float 
             scratch = grouped_cutlass_scratch(m, e, n, k, chunk)
             units = e * max(1, math.ceil(rows / 128)) * math.ceil(n / 128)
             return GemmPlan(128, 1, scratch, units, kernel="cutlass", experts_per_chunk=chunk)
-    busy = e if rows_per_expert is not None else _busy_experts(m, e)
+    # experts expected to get rows: of M rows routed uniformly, or of E * rows_per_expert (a hint of few rows per
+    # expert, as under expert parallelism's decode, leaves experts empty; from a few rows on, every one is busy)
+    busy = _busy_experts(m if rows_per_expert is None else rows * e, e)
     # e4m3 asked for without a tile: the plan picks among the e4m3 tiles (8 is the f16 MMA's only)
     tiles = TILE_TOKENS if (mma == "e4m3" and tile_tokens is None) else GROUPED_TILE_TOKENS
     plan = _plan(m, 1, n, k, e, rows, tile_tokens, num_sms, spread=True, busy=busy, allowed=tiles, split_k=split_k)

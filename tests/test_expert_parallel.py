@@ -110,13 +110,14 @@ def test_w4a8_tokens_travel_as_fp8(ckpt):
 @pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
 def test_ue8m0_prefill_tokens_travel_folded(ckpt, dispatch):
     """UE8M0 W4A8 experts under EP take their tokens in the folded layout where each device's gate+up product
-    plans the folding kernel for its buffer (161 tokens x top-2 over 4 devices: about 320 rows for 2 local
-    experts; one device with all 8 experts plans standard tiles for the same rows): fp8 codes and one float32
+    plans the folding kernel for the rows its experts expect (301 tokens x top-2 over 4 devices: about 75 rows
+    for each of 2 local experts, as one device with all 8 experts plans them): fp8 codes and one float32
     multiplier per token travel (the multipliers padded to whole chunks), both grouped GEMMs take [rows]
-    multipliers, and the logits are the single-device ones. 18 tokens stay in the standard layout."""
+    multipliers, and the logits are the single-device ones. 161 tokens, whose buffer (322 rows for 2 experts)
+    would fold but whose experts expect 40 rows each, stay in the standard layout, as on one device."""
     import re
     devices = jax.devices("cpu")
-    ids = np.random.default_rng().integers(0, CFG["vocab_size"], (1, 161)).astype(np.int32)
+    ids = np.random.default_rng().integers(0, CFG["vocab_size"], (1, 301)).astype(np.int32)
     mesh = sharding.make_mesh(4, devices)
     model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, ue8m0=True, progress=False, mesh=mesh,
                             dispatch=dispatch)
@@ -126,16 +127,18 @@ def test_ue8m0_prefill_tokens_travel_folded(ckpt, dispatch):
         gemms = re.findall(r"custom_call @jax_w4a8_w4a8_grouped_gemm.*?: \(tensor<[^>]*>, tensor<([^>]*)>", hlo)
         return gemms, re.findall(r"stablehlo\.all_to_all.*?-> tensor<([^>]*)>", hlo)
 
-    rows = 161 * 2 if dispatch == "gather" else 4 * 41 * 2
+    rows = 301 * 2 if dispatch == "gather" else 4 * 76 * 2
     gemms, moved = scales_of_gemms(ids)
     assert gemms == [f"{rows}xf32"] * 2, gemms     # gate+up and down: folded, [rows] token multipliers
     if dispatch == "all_to_all":
-        assert "4x82xf32" in moved and "4x82x256xui8" in moved, moved  # 41 tokens' 82 slots per chunk
-    small = IDS.size * 2 if dispatch == "gather" else 4 * 5 * 2
-    assert scales_of_gemms(IDS)[0] == [f"{small}x2xf32", f"{small}x1xf32"]  # standard: [rows, K / 128]
+        assert "4x152xf32" in moved and "4x152x256xui8" in moved, moved  # 76 tokens' 152 slots per chunk
+    small = 161 * 2 if dispatch == "gather" else 4 * 41 * 2
+    # standard: [rows, K / 128]
+    assert scales_of_gemms(ids[:, :161])[0] == [f"{small}x2xf32", f"{small}x1xf32"]
     with jax.default_device(devices[0]):
         single = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, ue8m0=True, progress=False)
-        assert single.model.layers[1].mlp.experts.input_layout(ids.size * 2) == "standard"
+        experts = single.model.layers[1].mlp.experts
+        assert experts.input_layout(301 * 2) == "folded" and experts.input_layout(161 * 2) == "standard"
         ref = _logits(single, ids)
     out = _logits(model, ids)
     err = np.abs(out - ref).max() / np.abs(ref).max()
@@ -230,6 +233,37 @@ def test_auto_moe_up_decides_for_the_rows_each_device_expects(ckpt, dispatch, mo
         room = rows if dispatch == "gather" else n * -(-IDS.size // n) * 2  # all_to_all: n chunks of whole tokens
         want = (rows, 8, None) if n == 1 else (room, 8 // n, rows // n)
         assert seen == [want], (n, seen)
+
+
+@pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
+def test_grouped_gemms_plan_for_the_rows_each_device_expects(ckpt, dispatch, monkeypatch):
+    """Each device's W4A8 GEMMs (and a fused up-projection) plan their tiles for the 36 / n rows its experts
+    expect (``rows_per_expert``), not for the buffer's room (a buffer of 36 rows at n = 4 would plan 18 rows for
+    each of its 2 experts, and a prefill's buffer CUTLASS's kernel where 128 rows per expert take the
+    folding one: tests/test_tiling.py); one device plans from its rows (no hint)."""
+    from jax_w4a8 import tiling  # noqa: PLC0415
+    seen = []
+    for name in ("plan_grouped_gemm", "plan_moe_up"):
+        real = getattr(tiling, name)
+
+        def spy(m, e, n, k, _real=real, **kw):
+            seen.append((m, e, kw.get("rows_per_expert")))
+            return _real(m, e, n, k, **kw)
+
+        monkeypatch.setattr(tiling, name, spy)
+    devices = jax.devices("cpu")
+    for n in (1, 4):
+        seen.clear()
+        model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.bfloat16, progress=False,
+                                mesh=sharding.make_mesh(n, devices) if n > 1 else None, dispatch=dispatch)
+        jax.clear_caches()
+        jax.jit(lambda t: model(t)).lower(jnp.asarray(IDS))
+        experts = CFG["n_routed_experts"] // n
+        room = IDS.size * 2 if dispatch == "gather" or n == 1 else n * -(-IDS.size // n) * 2
+        want = None if n == 1 else -(-IDS.size * 2 // n) / experts
+        # the ops' plans (moe_up="auto" plans the expected rows themselves: tiling.moe_up_fuses)
+        routed = [hint for m, e, hint in seen if (m, e) == (room, experts)]
+        assert len(routed) >= 2 and all(h == want for h in routed), (n, seen)
 
 
 @pytest.mark.gpu

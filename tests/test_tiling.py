@@ -99,8 +99,20 @@ def test_stream_k_when_experts_are_expected_empty(m, split):
     # last wave (H200: 8-14% faster whole at 16 - 64 rows); where units do not fill the GPU they still split.
     assert tiling.plan_grouped_gemm(m, 32, 7168, 2048, num_sms=SMS).split_k == 1
     assert tiling.plan_grouped_gemm(1, 32, 7168, 2048, num_sms=SMS).split_k > 1
-    # A hint of rows per expert means every expert is busy: no stream-K.
-    assert tiling.plan_grouped_gemm(m, 32, 4096, 7168, rows_per_expert=m / 32, num_sms=SMS).split_k == 1
+    # A hint of rows per expert plans E * hint rows routed uniformly over the M rows' buffer: the hint M / E is
+    # no hint; M / E rows each in a buffer of 8 M rows (expert parallelism over 8 devices) plan as M rows do.
+    for n, k in ((4096, 7168), (7168, 2048)):
+        plan = tiling.plan_grouped_gemm(m, 32, n, k, num_sms=SMS)
+        assert tiling.plan_grouped_gemm(m, 32, n, k, rows_per_expert=m / 32, num_sms=SMS) == plan
+        hinted = tiling.plan_grouped_gemm(8 * m, 32, n, k, rows_per_expert=m / 32, num_sms=SMS)
+        assert (hinted.tile_tokens, hinted.split_k, hinted.mma) == (plan.tile_tokens, plan.split_k, plan.mma), hinted
+    # From a few rows per expert every expert is busy: no stream-K.
+    assert tiling.plan_grouped_gemm(m, 32, 4096, 7168, rows_per_expert=8, num_sms=SMS).split_k == 1
+    # A prefill under expert parallelism (8 devices): 4096 tokens x top-8 give each device a buffer of 32768 rows,
+    # 128 expected per local expert: the 128-token kernel (folding), not CUTLASS's (from 576 rows per expert).
+    prefill = tiling.plan_grouped_gemm(32768, 32, 4096, 7168, rows_per_expert=128, cutlass=True, num_sms=SMS)
+    assert prefill.kernel == "native" and tiling.folds_activations(prefill), prefill
+    assert tiling.plan_grouped_gemm(32768, 32, 4096, 7168, cutlass=True, num_sms=SMS).kernel == "cutlass"
 
 
 def test_split_never_exceeds_groups():

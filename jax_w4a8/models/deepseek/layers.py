@@ -574,6 +574,11 @@ def _ragged_nk(x, w, group_sizes, dtype):
 MOE_UP_IMPLS = ("unfused", "fused", "auto")
 
 
+def _per_expert(expected_rows: int | None, experts: int) -> float | None:
+    """The grouped GEMMs' ``rows_per_expert`` hint for ``expected_rows`` routed over ``experts`` (None: none)."""
+    return None if expected_rows is None else expected_rows / experts
+
+
 class Experts(nnx.Module):
     """The routed experts of one MoE layer: ``__call__(x_sorted [R, D], group_sizes int32 [E]) -> [R, D]``.
 
@@ -678,7 +683,7 @@ class Experts(nnx.Module):
         experts = experts or self.num_experts
         if not (self.quantizes_input and self.ue8m0) or self._fuses_up(rows, experts, expected_rows):
             return "standard"  # (only UE8M0 folds: no fusion decision, hence no plan, for float32 scales)
-        return self._layout_for(rows, experts, 2 * self.inter, self.hidden)
+        return self._layout_for(rows, experts, 2 * self.inter, self.hidden, expected_rows)
 
     def quantize_input(self, x, layout: str = "standard"):
         """x [R, D] -> (e4m3 [R, D], fp32 scales [R, D/128]) as the W4A8 gate+up product takes them
@@ -690,49 +695,56 @@ class Experts(nnx.Module):
             return ops.quantize_fp8_groups(x.astype(self.dtype), BLOCK, True, layout="folded")
         return quantize_act_groups(x.astype(self.dtype), self.ue8m0)
 
-    def _down_layout(self, rows: int, experts: int) -> str:
+    def _down_layout(self, rows: int, experts: int, expected_rows: int | None = None) -> str:
         """The down projection's input layout: folded where its plan folds (UE8M0 scales; as :meth:`input_layout`)."""
-        return self._layout_for(rows, experts, self.hidden, self.inter)
+        return self._layout_for(rows, experts, self.hidden, self.inter, expected_rows)
 
-    def _layout_for(self, rows: int, experts: int, n: int, k: int) -> str:
+    def _layout_for(self, rows: int, experts: int, n: int, k: int, expected_rows: int | None) -> str:
         """"folded" where UE8M0 activations meet a grouped GEMM [rows, k] x [experts, n, k] whose plan folds."""
-        folds = self.ue8m0 and tiling.folds_activations(tiling.plan_grouped_gemm(rows, experts, n, k))
-        return "folded" if folds else "standard"
+        plan = tiling.plan_grouped_gemm(rows, experts, n, k, rows_per_expert=_per_expert(expected_rows, experts))
+        return "folded" if self.ue8m0 and tiling.folds_activations(plan) else "standard"
 
     def _w4a8(self, x_sorted, group_sizes, expected_rows):
         w13, w13_s, w2, w2_s = (self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], self.down_proj[...],
                                 self.down_proj_scale_inv[...])
+        # the GEMMs plan for the rows each expert expects (under EP the buffer R counts padding; w13: local experts)
+        hint = _per_expert(expected_rows, w13.shape[0])
         if self.act_scale == "static":   # one scale per tensor: the max over the layer's (local) experts
             s13 = jnp.max(self.gate_up_proj_input_scale[...]).astype(F32)
             s2 = jnp.max(self.down_proj_input_scale[...]).astype(F32)
             x8 = qlib.quantize_fp8_tensor(x_sorted.astype(self.dtype), s13)
             if self._fuses_up(x8.shape[0], w13.shape[0], expected_rows):
-                h8, _ = ops.w4a8_moe_up(x8, s13, w13, w13_s, group_sizes, down_input_scale=s2, fused=True)
+                h8, _ = ops.w4a8_moe_up(x8, s13, w13, w13_s, group_sizes, down_input_scale=s2, fused=True,
+                                        rows_per_expert=hint)
             else:
-                gu = ops.w4a8_grouped_gemm(x8, s13, w13, w13_s, group_sizes, out_dtype=self.dtype)
+                gu = ops.w4a8_grouped_gemm(x8, s13, w13, w13_s, group_sizes, out_dtype=self.dtype,
+                                           rows_per_expert=hint)
                 h8 = qlib.quantize_fp8_tensor(silu_mul(gu[:, :self.inter], gu[:, self.inter:], self.dtype), s2)
-            return ops.w4a8_grouped_gemm(h8, s2, w2, w2_s, group_sizes, out_dtype=self.dtype)
+            return ops.w4a8_grouped_gemm(h8, s2, w2, w2_s, group_sizes, out_dtype=self.dtype, rows_per_expert=hint)
         x8, xs = x_sorted if isinstance(x_sorted, tuple) else self.quantize_input(x_sorted)
         # (codes, one multiplier per row): folded by quantize_input (input_layout); its group scales are always
         # 2-D ([R, D/128], also for D = 128), and standard per-token scales never reach the experts
         x_layout = "folded" if xs.ndim == 1 else "standard"
         if x_layout == "standard" and self._fuses_up(x8.shape[0], w13.shape[0], expected_rows):
-            # w13: this device's experts under EP
-            h8, hs = ops.w4a8_moe_up(x8, xs, w13, w13_s, group_sizes, ue8m0=self.ue8m0, fused=True)
+            h8, hs = ops.w4a8_moe_up(x8, xs, w13, w13_s, group_sizes, ue8m0=self.ue8m0, fused=True,
+                                     rows_per_expert=hint)
             h_layout = "standard"
         else:
-            gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype, x_layout=x_layout)
+            gu = ops.w4a8_grouped_gemm(x8, xs, w13, w13_s, group_sizes, out_dtype=self.dtype, x_layout=x_layout,
+                                       rows_per_expert=hint)
             # silu(gate) * up in float32 and the down projection's quantization: one kernel, h never in memory
-            h_layout = self._down_layout(x8.shape[0], w2.shape[0])
+            h_layout = self._down_layout(x8.shape[0], w2.shape[0], expected_rows)
             h8, hs = ops.silu_mul_quantize_fp8_groups(gu, self.ue8m0, layout=h_layout)
-        return ops.w4a8_grouped_gemm(h8, hs, w2, w2_s, group_sizes, out_dtype=self.dtype, x_layout=h_layout)
+        return ops.w4a8_grouped_gemm(h8, hs, w2, w2_s, group_sizes, out_dtype=self.dtype, x_layout=h_layout,
+                                     rows_per_expert=hint)
 
     def __call__(self, x_sorted, group_sizes, *, expected_rows: int | None = None):
         """x_sorted [R, D] rows sorted by expert (or, when :attr:`quantizes_input`, the pair
         :meth:`quantize_input` makes of them); group_sizes int32 [E] -> ``dtype`` [R, D].
 
-        ``expected_rows`` (static): the routed rows :attr:`moe_up` "auto" decides for where R counts padding too
-        (default R; :class:`MoE` passes them under expert parallelism)."""
+        ``expected_rows`` (static): the routed rows that :attr:`moe_up` "auto" decides for and the grouped GEMMs
+        plan their tiles for (``rows_per_expert``), where R counts padding too (default R; :class:`MoE` passes them
+        under expert parallelism, whose buffers have room for every routed row)."""
         if self.quant == "w4a8":
             return self._w4a8(x_sorted, group_sizes, expected_rows)
         if isinstance(x_sorted, tuple):
