@@ -179,7 +179,8 @@ import numpy as np
 
 __all__ = ["GemmPlan", "plan_grouped_gemm", "plan_moe_up", "plan_fp8_einsum", "TILE_TOKENS", "EINSUM_TILE_TOKENS",
            "GROUPED_TILE_TOKENS", "F16_TILE_TOKENS", "FUSED_F16_TILE_TOKENS",
-           "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS", "FUSED_UP_MAX_ROWS", "moe_up_fuses"]
+           "DECODE_MAX_TOKENS", "MMAS", "EINSUM_KERNELS", "CUTLASS_MIN_TOKENS", "FUSED_UP_MAX_ROWS", "moe_up_fuses",
+           "folds_activations", "grouped_gemm_layout"]
 
 TILE_TOKENS = (16, 32, 64, 128)
 GROUPED_TILE_TOKENS = (8,) + TILE_TOKENS  # 8: int4 weights with the f16 MMA only
@@ -468,6 +469,19 @@ def folds_activations(plan: GemmPlan) -> bool:
     """Whether a grouped GEMM plan runs the 128-token e4m3 kernel that folds its activation scales, i.e. whether
     activations quantized with ``layout="folded"`` save it a pass (``ops.w4a8_grouped_gemm(x_layout="folded")``)."""
     return plan.kernel == "native" and plan.mma == "e4m3" and plan.tile_tokens == 128
+
+
+def grouped_gemm_layout(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None) -> str:
+    """The activation layout to quantize UE8M0 rows in for ``ops.w4a8_grouped_gemm`` with x [M, K] and w [E, N,
+    K/2] (``rows_per_expert`` as :func:`plan_grouped_gemm`): "folded" where the call's plan runs the 128-token e4m3
+    kernel (:func:`folds_activations`: prefill, many rows per expert), which then skips its preparation pass;
+    "standard" elsewhere (folded activations would force that kernel onto shapes whose plan takes other tiles).
+    From static shapes only: decide once per traced shape. ``ops.quantize_fp8_groups(x, ue8m0=True,
+    layout=...)`` and ``ops.silu_mul_quantize_fp8_groups`` take it; the GEMM then gets ``x_layout=`` the same.
+
+    Raises ValueError as :func:`plan_grouped_gemm` for sizes or a hint out of range."""
+    plan = plan_grouped_gemm(m, e, n, k, rows_per_expert=rows_per_expert)
+    return "folded" if folds_activations(plan) else "standard"
 
 
 _WIDE_TILES = (8, 16, 32)  # the f16 tiles that run 256-row blocks on whole units (hopper_gemm.cu LaunchF16)

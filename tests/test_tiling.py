@@ -628,3 +628,21 @@ def test_folded_plans_run_the_folding_kernel():
     assert standard.scratch_bytes - p.scratch_bytes >= 64 * 512  # no folded copy of the activations
     with pytest.raises(ValueError, match="x_folded"):
         tiling.plan_grouped_gemm(64, 8, 256, 512, x_folded=True)  # the plan's own tile (not 128 here)
+
+
+def test_grouped_gemm_layout_is_folded_where_the_plan_folds():
+    """Users pick the quantizer's layout for a grouped GEMM's static shapes: folded where the plan runs the
+    128-token e4m3 kernel (prefill), standard at decode sizes; a hint plans the expected rows, not the buffer."""
+    assert tiling.grouped_gemm_layout(16384, 32, 4096, 7168) == "folded"
+    assert tiling.grouped_gemm_layout(4096, 32, 7168, 2048) == "folded"
+    assert tiling.grouped_gemm_layout(64, 32, 4096, 7168) == "standard"
+    assert tiling.grouped_gemm_layout(512, 32, 4096, 7168) == "standard"
+    assert tiling.grouped_gemm_layout(8 * 512, 32, 4096, 7168, rows_per_expert=2) == "standard"
+    assert tiling.grouped_gemm_layout(8 * 4096, 32, 4096, 7168, rows_per_expert=128) == "folded"
+    for m in (64, 4096, 16384):
+        plan = tiling.plan_grouped_gemm(m, 32, 4096, 7168)
+        assert (tiling.grouped_gemm_layout(m, 32, 4096, 7168) == "folded") == tiling.folds_activations(plan)
+    with pytest.raises(ValueError, match="'m'"):
+        tiling.grouped_gemm_layout(-1, 32, 4096, 7168)
+    with pytest.raises(ValueError, match="'rows_per_expert'"):
+        tiling.grouped_gemm_layout(64, 32, 4096, 7168, rows_per_expert=float("nan"))

@@ -701,8 +701,9 @@ class Experts(nnx.Module):
 
     def _layout_for(self, rows: int, experts: int, n: int, k: int, expected_rows: int | None) -> str:
         """"folded" where UE8M0 activations meet a grouped GEMM [rows, k] x [experts, n, k] whose plan folds."""
-        plan = tiling.plan_grouped_gemm(rows, experts, n, k, rows_per_expert=_per_expert(expected_rows, experts))
-        return "folded" if self.ue8m0 and tiling.folds_activations(plan) else "standard"
+        if not self.ue8m0:
+            return "standard"
+        return tiling.grouped_gemm_layout(rows, experts, n, k, rows_per_expert=_per_expert(expected_rows, experts))
 
     def _w4a8(self, x_sorted, group_sizes, expected_rows):
         w13, w13_s, w2, w2_s = (self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], self.down_proj[...],
