@@ -197,10 +197,10 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
         ``layout="folded"`` (:func:`jax_w4a8.quant.fold_fp8_groups`). Runs the 128-token e4m3 kernel (leave
         ``tile_tokens`` / ``mma`` / ``kernel`` None or 128 / "e4m3" / "native") without its preparation
         pass, whatever M is: meant for prefill, where the plan takes that kernel anyway
-        (:func:`jax_w4a8.tiling.grouped_gemm_layout` says which layout a call's shapes take). The result is the one the standard layout's codes and
-        UE8M0 group scales give at those tiles, bit for bit (except for a call whose activations hold an infinite
-        value: the standard layout then runs unfolded, while the folded quantizer folds that token's other
-        groups to zero under its 2**127 scale).
+        (:func:`jax_w4a8.tiling.grouped_gemm_layout` says which layout a call's shapes take). The result is the
+        one the standard layout's codes and UE8M0 group scales give at those tiles, bit for bit (except for a
+        call whose activations hold an infinite value: the standard layout then runs unfolded, while the folded
+        quantizer folds that token's other groups to zero under its 2**127 scale).
     Returns:
       out_dtype [M, N].
     Raises:
