@@ -60,11 +60,16 @@ def main():
         shard = NamedSharding(mesh_, P(sharding.EXPERT_AXIS))
         return jax.jit(make, out_shardings={nm: shard for nm in ("w13", "s13", "w2", "s2")})(jax.random.key(0))
 
-    def experts_fn(prm, x, gs):
-        x8, xs = x if isinstance(x, tuple) else ops.quantize_fp8_groups(x)
-        y = ops.w4a8_grouped_gemm(x8, xs, prm["w13"], prm["s13"], gs)
-        h8, hs = ops.silu_mul_quantize_fp8_groups(y)
-        return ops.w4a8_grouped_gemm(h8, hs, prm["w2"], prm["s2"], gs)
+    def experts_for(expected_rows=None):
+        """The experts; under EP (``expected_rows``: the rows a device expects, its buffer holding every routed
+        row) the GEMMs plan for those, as the model's experts do (``rows_per_expert``)."""
+        def experts_fn(prm, x, gs):
+            hint = None if expected_rows is None else expected_rows / prm["w13"].shape[0]
+            x8, xs = x if isinstance(x, tuple) else ops.quantize_fp8_groups(x)
+            y = ops.w4a8_grouped_gemm(x8, xs, prm["w13"], prm["s13"], gs, rows_per_expert=hint)
+            h8, hs = ops.silu_mul_quantize_fp8_groups(y)
+            return ops.w4a8_grouped_gemm(h8, hs, prm["w2"], prm["s2"], gs, rows_per_expert=hint)
+        return experts_fn
 
     def tokens_in(x):   # what moe_apply(_ep) dispatches
         return ops.quantize_fp8_groups(x) if args.tokens == "fp8" else x
@@ -87,11 +92,13 @@ def main():
         ids = jax.device_put(jax.random.randint(jax.random.fold_in(key, 1), (tokens, k), 0, e, jnp.int32), rep)
         tw = jax.device_put(jax.random.uniform(jax.random.fold_in(key, 2), (tokens, k), jnp.float32), rep)
         ep = ExpertParallel(mesh, dispatch, exchange=exchange)
-        f_mesh = jax.jit(lambda a, b, c, w: moe_apply_ep(tokens_in(a), b, c, w, experts_fn, e, ep))
+        experts_ep = experts_for(-(-tokens * k // n))
+        f_mesh = jax.jit(lambda a, b, c, w: moe_apply_ep(tokens_in(a), b, c, w, experts_ep, e, ep))
         f_comm = jax.jit(lambda a, b, c, w: moe_apply_ep(tokens_in(a), b, c, w, identity, e, ep))
         one = NamedSharding(single, P())
         x1, ids1, tw1 = (jax.device_put(v, one) for v in (x, ids, tw))
-        f_one = jax.jit(lambda a, b, c, w: moe.moe_apply(tokens_in(a), b, c, lambda xs, gs: experts_fn(w, xs, gs), e))
+        experts_one = experts_for()
+        f_one = jax.jit(lambda a, b, c, w: moe.moe_apply(tokens_in(a), b, c, lambda xs, gs: experts_one(w, xs, gs), e))
         t_one = C.bench(f_one, [(x1, ids1, tw1, w_one)], n=5, rounds=5)
         t_mesh = C.bench(f_mesh, [(x, ids, tw, w_mesh)], n=5, rounds=5)
         t_comm = C.bench(f_comm, [(x, ids, tw, w_mesh)], n=5, rounds=5)

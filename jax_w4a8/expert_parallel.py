@@ -86,7 +86,8 @@ class ExpertParallel:
         """The rows each device's ``experts_fn`` receives for ``num_tokens`` tokens routed to ``top_k`` experts
         (static; the real ones first, the rest padding): all ``num_tokens * top_k`` slots under ``"gather"``, ``n``
         chunks of ``ceil(num_tokens / n)`` whole tokens' slots under ``"all_to_all"`` (room for every slot to land on
-        one device). The grouped GEMMs plan their tiles from it (and so the activation layout they take)."""
+        one device). The model's MoE layer sizes each device's plans with it and the rows its experts expect (about
+        ``num_tokens * top_k / n``: the grouped GEMMs' ``rows_per_expert``, and so the activation layout)."""
         if self.strategy(num_tokens) == "gather":
             return num_tokens * top_k
         return self.size * -(-num_tokens // self.size) * top_k

@@ -171,7 +171,8 @@ def w4a8_grouped_gemm(x, x_scale, w, w_scale, group_sizes, *, out_dtype=jnp.bflo
       impl: "auto", "ffi" or "reference" (module docstring).
       rows_per_expert: optional hint of the expected rows per expert (default M / E) for the CUDA
         tile choice, where M counts padding rows too (expert parallelism: a device's buffer has room for every
-        routed row); the plan is then that of E * rows_per_expert rows routed uniformly; tile_tokens: force a token tile (8 (f16 MMA only), 16, 32, 64, 128, or 0 for the
+        routed row); the plan is then that of E * rows_per_expert rows routed uniformly;
+        tile_tokens: force a token tile (8 (f16 MMA only), 16, 32, 64, 128, or 0 for the
         plain CUDA-core kernel); mma: force the tensor-core operand format, "e4m3" or "f16" (any
         token tile but 0; the plan takes f16 up to 64-token tiles);
         kernel: None (the plan chooses), "native" (this library's kernels) or "cutlass" (prefill: the

@@ -471,16 +471,18 @@ def folds_activations(plan: GemmPlan) -> bool:
     return plan.kernel == "native" and plan.mma == "e4m3" and plan.tile_tokens == 128
 
 
-def grouped_gemm_layout(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None) -> str:
+def grouped_gemm_layout(m: int, e: int, n: int, k: int, *, rows_per_expert: float | None = None,
+                        out_bf16: bool = True) -> str:
     """The activation layout to quantize UE8M0 rows in for ``ops.w4a8_grouped_gemm`` with x [M, K] and w [E, N,
-    K/2] (``rows_per_expert`` as :func:`plan_grouped_gemm`): "folded" where the call's plan runs the 128-token e4m3
+    K/2] (``rows_per_expert`` as :func:`plan_grouped_gemm`; ``out_bf16``: bfloat16 output, the op's default, else
+    float32, which CUTLASS's kernel does not write): "folded" where the call's plan runs the 128-token e4m3
     kernel (:func:`folds_activations`: prefill, many rows per expert), which then skips its preparation pass;
     "standard" elsewhere (folded activations would force that kernel onto shapes whose plan takes other tiles).
     From static shapes only: decide once per traced shape. ``ops.quantize_fp8_groups(x, ue8m0=True,
     layout=...)`` and ``ops.silu_mul_quantize_fp8_groups`` take it; the GEMM then gets ``x_layout=`` the same.
 
     Raises ValueError as :func:`plan_grouped_gemm` for sizes or a hint out of range."""
-    plan = plan_grouped_gemm(m, e, n, k, rows_per_expert=rows_per_expert)
+    plan = plan_grouped_gemm(m, e, n, k, rows_per_expert=rows_per_expert, out_bf16=out_bf16)
     return "folded" if folds_activations(plan) else "standard"
 
 

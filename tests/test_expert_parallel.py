@@ -108,7 +108,7 @@ def test_w4a8_tokens_travel_as_fp8(ckpt):
 
 
 @pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
-def test_ue8m0_prefill_tokens_travel_folded(ckpt, dispatch):
+def test_ue8m0_prefill_tokens_travel_folded(ckpt, dispatch, rng):
     """UE8M0 W4A8 experts under EP take their tokens in the folded layout where each device's gate+up product
     plans the folding kernel for the rows its experts expect (301 tokens x top-2 over 4 devices: about 75 rows
     for each of 2 local experts, as one device with all 8 experts plans them): fp8 codes and one float32
@@ -117,7 +117,7 @@ def test_ue8m0_prefill_tokens_travel_folded(ckpt, dispatch):
     would fold but whose experts expect 40 rows each, stay in the standard layout, as on one device."""
     import re
     devices = jax.devices("cpu")
-    ids = np.random.default_rng().integers(0, CFG["vocab_size"], (1, 301)).astype(np.int32)
+    ids = rng.integers(0, CFG["vocab_size"], (1, 301)).astype(np.int32)
     mesh = sharding.make_mesh(4, devices)
     model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, ue8m0=True, progress=False, mesh=mesh,
                             dispatch=dispatch)
@@ -275,6 +275,26 @@ def test_two_gpus_equal_one(ckpt, dispatch):
         pytest.skip("needs two GPUs")
     # The tensor cores accumulate with reduced precision; both runs use the same kernels per row.
     _check_sharded(ckpt, 2, dispatch, gpus, tol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("exchange", ["dense", "ragged"])
+def test_two_gpus_ue8m0_prefill_folded(ckpt, exchange, rng):
+    """UE8M0 tokens in the folded layout (codes and float32 token multipliers through NCCL, the folding kernel on
+    each device's padded buffer; tests/test_expert_parallel.py::test_ue8m0_prefill_tokens_travel_folded checks the
+    layout on CPU devices) equal one GPU's, whose 8 experts fold the same rows."""
+    gpus = jax.devices("gpu")
+    if len(gpus) < 2:
+        pytest.skip("needs two GPUs")
+    ids = rng.integers(0, CFG["vocab_size"], (1, 301)).astype(np.int32)
+    with jax.default_device(gpus[0]):
+        model = load_checkpoint(ckpt, quantize="w4a8", dtype=jnp.float32, ue8m0=True, progress=False)
+        assert model.model.layers[1].mlp.experts.input_layout(ids.size * 2) == "folded"
+        ref = _logits(model, ids)
+    shard_model(model, sharding.make_mesh(2, gpus), dispatch="all_to_all", exchange=exchange)
+    out = _logits(model, ids)
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(ref).max()
+    np.testing.assert_array_equal(out.argmax(-1), ref.argmax(-1))
 
 
 @pytest.mark.gpu

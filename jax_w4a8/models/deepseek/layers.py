@@ -703,7 +703,8 @@ class Experts(nnx.Module):
         """"folded" where UE8M0 activations meet a grouped GEMM [rows, k] x [experts, n, k] whose plan folds."""
         if not self.ue8m0:
             return "standard"
-        return tiling.grouped_gemm_layout(rows, experts, n, k, rows_per_expert=_per_expert(expected_rows, experts))
+        return tiling.grouped_gemm_layout(rows, experts, n, k, rows_per_expert=_per_expert(expected_rows, experts),
+                                          out_bf16=self.dtype == jnp.dtype(jnp.bfloat16))
 
     def _w4a8(self, x_sorted, group_sizes, expected_rows):
         w13, w13_s, w2, w2_s = (self.gate_up_proj[...], self.gate_up_proj_scale_inv[...], self.down_proj[...],
