@@ -184,6 +184,50 @@ def test_ids_outside_the_experts_are_ignored_and_bad_arguments_named(dispatch):
         moe_apply_ep(x, jnp.asarray(ids), w, scale, fn, 3, ep)
 
 
+@pytest.mark.parametrize("n, tokens, skew", [(2, 37, False), (4, 61, True), (8, 5, False), (8, 200, True)])
+def test_dense_exchange_moves_rows_in_place(n, tokens, skew, rng):
+    """The dense exchange builds each device's chunks with one gather and takes the received chunks as the buffer
+    (fixed layout: no scatter, no offsets exchanged), and un-sorts the results with one gather: bit for bit the
+    generic exchange's results (XLA:CPU runs "ragged" as that: dense chunks scattered at exchanged offsets), for
+    fp8 codes with 1-D multipliers (the folded layout), padding tokens, skewed routing and ids outside [0, E)."""
+    import re
+    from jax_w4a8 import moe
+    from jax_w4a8.expert_parallel import moe_apply_ep
+    mesh = sharding.make_mesh(n, jax.devices("cpu"))
+    e, k, d = 16, 3, 128
+    x8 = jnp.asarray(rng.standard_normal((tokens, d)), jnp.float8_e4m3fn)
+    xm = jnp.asarray(rng.uniform(0.5, 2.0, tokens), jnp.float32)
+    p = rng.dirichlet(np.full(e, 0.2 if skew else 50.0))
+    ids = np.stack([rng.choice(e, k, replace=False, p=p) for _ in range(tokens)]).astype(np.int32)
+    ids[0, 0] = -1
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (tokens, k)), jnp.float32)
+    scale = jnp.asarray(rng.uniform(0.5, 2.0, (e, 1)), jnp.float32)
+
+    def fn(prm, xs, gs):  # each row: its codes times its multiplier and its expert's scale (padding: anything)
+        codes, mult = xs
+        per_row = jnp.repeat(prm[:, 0], gs, total_repeat_length=codes.shape[0]) * mult
+        padding = jnp.arange(codes.shape[0]) >= jnp.sum(gs)
+        return jnp.where(padding[:, None], 1e3, codes.astype(jnp.float32) * per_row[:, None])
+
+    def run(exchange):
+        f = jax.jit(lambda a, b, c, s: moe_apply_ep(a, b, c, s, fn, e, ExpertParallel(mesh, "all_to_all",
+                                                                                   exchange=exchange)))
+        return f, np.asarray(f((x8, xm), jnp.asarray(ids), w, scale))
+
+    f, dense = run("dense")
+    _, generic = run("ragged")
+    np.testing.assert_array_equal(dense, generic)
+    want = moe.moe_apply((x8, xm), jnp.asarray(ids), w, lambda xs, gs: fn(scale, xs, gs), e)
+    np.testing.assert_allclose(dense, np.asarray(want), rtol=1e-6, atol=1e-6)
+    hlo = f.lower((x8, xm), jnp.asarray(ids), w, scale).as_text()
+    # no scatter of row data (the sorts' int32 inverse permutations are scatters)
+    scattered = [re.search(r"-> tensor<([^>]*)>", hlo[i:]).group(1) for i in
+                 (m.start() for m in re.finditer(r"stablehlo\.scatter", hlo))]
+    assert scattered and all(t.endswith("xi32") and t.count("x") == 1 for t in scattered), scattered
+    # sizes, codes, multipliers and expert ids out; results back
+    assert len(re.findall(r"stablehlo\.all_to_all", hlo)) == 5, re.findall(r"stablehlo\.all_to_all.*", hlo)
+
+
 def test_auto_dispatch_by_tokens():
     mesh = sharding.make_mesh(2, jax.devices("cpu"))
     ep = ExpertParallel(mesh, "auto", gather_max_tokens=16)
