@@ -480,3 +480,21 @@ def test_fused_epilogue_probes_refuse_an_unknown_probe():
         probes.probe_source(pathlib.Path(ROOT, probes.SOURCE).read_text(), "nothing")
     result = _run([os.path.join(BENCH, "experiments", "fused_epilogue_probes.py"), "nothing"])
     assert result.returncode == 2 and "unknown probe(s) nothing" in result.stderr
+
+
+def test_bench_ep_buffer_times_the_padded_buffer_with_and_without_the_hint():
+    """benchmarks/bench_ep_buffer.py (CPU handlers, small shapes): the real rows alone, in the padded buffer planned
+    for the real rows (the model's way), and planned from the buffer; the real rows' outputs agree, and the hint
+    changes the plan where the buffer would fold but the real rows per expert do not."""
+    sys.path.insert(0, BENCH)
+    try:
+        import bench_ep_buffer as B
+    finally:
+        sys.path.remove(BENCH)
+    assert B.buffer_rows(64, 8, 8) == 512 and B.buffer_rows(301, 4, 2) == 4 * 76 * 2  # gather; all_to_all
+    (r,) = B.run(4, [300], experts=4, top_k=2, hidden=256, inter=128)
+    assert (r["real_rows"], r["buffer_rows"], r["dispatch"]) == (150, 600, "all_to_all")
+    assert r["alone_plan"] == r["buffer_plan"] != r["buffer_unhinted_plan"], r
+    assert r["buffer_unhinted_plan"].endswith("folded") and not r["buffer_plan"].endswith("folded"), r
+    assert all(r[f"{c}_max_rel_diff"] < 1e-2 for c in ("buffer", "buffer_unhinted")), r
+    assert all(r[f"{c}_us"] > 0 for c in ("alone", "buffer", "buffer_unhinted")), r

@@ -254,6 +254,11 @@ folded() {
 }
 export -f folded
 step folded 540 bash -c folded
+# 5i. expert parallelism's padded buffers on one GPU (sixty-fourth session; benchmarks/bench_ep_buffer.py): one EP8
+#     shard's experts on the real rows alone, in the padded buffer planned for the real rows (the model's way since
+#     the sixty-fourth session) and planned from the buffer (before), 64 to 16384 tokens; JSON in $OUT. Not in the
+#     default STEPS: STEPS=ep_buffer (not yet timed; limit 300 s; carry jax_w4a8/_lib).
+step ep_buffer 300 python3 benchmarks/bench_ep_buffer.py --out "$OUT"
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
