@@ -678,8 +678,10 @@ class Experts(nnx.Module):
         """The activation layout (``ops.LAYOUTS``) in which :meth:`quantize_input` hands ``rows`` routed rows to
         the gate+up product: "folded" (UE8M0 scales folded into the codes by the quantizer, a multiplier per
         token: the grouped GEMM then skips its preparation pass) where the product's plan runs the 128-token e4m3
-        kernel that folds anyway (``tiling.folds_activations``: prefill, many rows per expert) and the fused
-        up-projection does not take the rows; "standard" otherwise."""
+        kernel that folds anyway (``tiling.grouped_gemm_layout``: prefill, many rows per expert) and the fused
+        up-projection does not take the rows; "standard" otherwise. ``experts``: the experts the rows meet (default
+        all; under expert parallelism a device's); ``expected_rows``: the real rows among ``rows`` (default all), as
+        :meth:`__call__` takes them."""
         experts = experts or self.num_experts
         if not (self.quantizes_input and self.ue8m0) or self._fuses_up(rows, experts, expected_rows):
             return "standard"  # (only UE8M0 folds: no fusion decision, hence no plan, for float32 scales)
