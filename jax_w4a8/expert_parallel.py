@@ -41,7 +41,7 @@ from jax_w4a8 import moe
 from jax_w4a8.moe import map_rows
 from jax_w4a8.sharding import EXPERT_AXIS
 
-__all__ = ["ExpertParallel", "moe_apply_ep", "DISPATCHES"]
+__all__ = ["ExpertParallel", "moe_apply_ep", "buffer_rows", "DISPATCHES"]
 
 DISPATCHES = ("auto", "gather", "all_to_all")
 F32 = jnp.float32
@@ -86,13 +86,20 @@ class ExpertParallel:
 
     def buffer_rows(self, num_tokens: int, top_k: int) -> int:
         """The rows each device's ``experts_fn`` receives for ``num_tokens`` tokens routed to ``top_k`` experts
-        (static; the real ones first, the rest padding): all ``num_tokens * top_k`` slots under ``"gather"``, ``n``
-        chunks of ``ceil(num_tokens / n)`` whole tokens' slots under ``"all_to_all"`` (room for every slot to land on
-        one device). The model's MoE layer sizes each device's plans with it and the rows its experts expect (about
-        ``num_tokens * top_k / n``: the grouped GEMMs' ``rows_per_expert``, and so the activation layout)."""
-        if self.strategy(num_tokens) == "gather":
-            return num_tokens * top_k
-        return self.size * -(-num_tokens // self.size) * top_k
+        (:func:`buffer_rows` with this mesh and dispatch). The model's MoE layer sizes each device's plans with it
+        and the rows its experts expect (about ``num_tokens * top_k / n``: the grouped GEMMs'
+        ``rows_per_expert``, and so the activation layout)."""
+        return buffer_rows(num_tokens, top_k, self.size, self.strategy(num_tokens))
+
+
+def buffer_rows(num_tokens: int, top_k: int, n: int, dispatch: str) -> int:
+    """The rows each of ``n`` devices' ``experts_fn`` receives for ``num_tokens`` tokens routed to ``top_k``
+    experts (static; the real ones first, the rest padding): all ``num_tokens * top_k`` slots under ``"gather"``,
+    ``n`` chunks of ``ceil(num_tokens / n)`` whole tokens' slots under ``"all_to_all"`` (room for every slot to
+    land on one device)."""
+    if dispatch == "gather":
+        return num_tokens * top_k
+    return n * -(-num_tokens // n) * top_k
 
 
 def _sort_local(expert_local, valid, e_local: int):

@@ -525,10 +525,10 @@ def quantize_fp8_groups(x, group_size: int = 128, ue8m0: bool = False, *, layout
     ref_fn = functools.partial(quant.quantize_fp8_groups, group_size=group_size, ue8m0=ue8m0)
     if group_size != 128:
         return ref_fn(x)
-    return _quantize_call(op, x, x.shape[-1], ue8m0, False, layout, impl, ref_fn)
+    return _quantize_call(x, x.shape[-1], ue8m0, False, layout, impl, ref_fn)
 
 
-def _quantize_call(op, x, k, ue8m0, silu_mul, layout, impl, ref_fn):
+def _quantize_call(x, k, ue8m0, silu_mul, layout, impl, ref_fn):
     """The quantizer's custom call (both layouts; ``k`` the output channels), by platform."""
     lead = x.shape[:-1]
     types = (jax.ShapeDtypeStruct(lead + (k,), jnp.float8_e4m3fn),
@@ -600,7 +600,7 @@ def silu_mul_quantize_fp8_groups(x, ue8m0: bool = False, *, layout="standard", i
         _fail(op, "x", f"must be [..., 2I] (gate, then up) with I a positive multiple of 128, got {x.shape}")
     ue8m0 = _check_flag(op, "ue8m0", ue8m0)
     layout = _check_layout(op, "layout", layout, ue8m0)
-    return _quantize_call(op, x, x.shape[-1] // 2, ue8m0, True, layout, impl,
+    return _quantize_call(x, x.shape[-1] // 2, ue8m0, True, layout, impl,
                           functools.partial(_silu_mul_reference, ue8m0=ue8m0))
 
 

@@ -374,7 +374,8 @@ def fold_fp8_groups(codes, scales):
 def unfold_fp8_groups(folded, token):
     """Dequantizes folded activations: e4m3 [..., K] in the folded K order and float32 [...] multipliers ->
     float32 [..., K] in the caller's K order (``code * token``; float32 arithmetic: ``448 * 2**127`` overflows to
-    Inf). Raises ValueError naming ``codes`` for a last axis that is not a positive multiple of 128."""
+    Inf). Raises ValueError (from :func:`from_folded_k_order`, naming its ``codes``: here ``folded``) for a last
+    axis that is not a positive multiple of 128."""
     folded, token = jnp.asarray(folded), jnp.asarray(token, jnp.float32)
     return from_folded_k_order(folded).astype(jnp.float32) * token[..., None]
 
