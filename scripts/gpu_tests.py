@@ -70,6 +70,13 @@ def failures(log: str) -> list[str]:
     return [ln for ln in log.splitlines() if _FAILED.match(ln)]
 
 
+def error_lines(log: str, limit: int = 40) -> list[str]:
+    """pytest's ``E`` lines (each failure's assertion and message), at most ``limit``: the console keeps why a
+    test failed, since the logs stay on the machine that ran them."""
+    lines = [ln for ln in log.splitlines() if ln.startswith("E ")]
+    return lines[:limit] + ([f"... {len(lines) - limit} more E lines in the log"] if len(lines) > limit else [])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(path) as f:
             log = f.read()
         print(f"shard {i}: {summary_line(log)} (exit {rc})")
+        for ln in error_lines(log) if rc not in (0, 5) else []:
+            print(f"  {ln}")
         failed += failures(log)
         ok &= rc in (0, 5)
     for ln in failed:

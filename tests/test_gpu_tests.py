@@ -41,6 +41,8 @@ def test_a_failure_in_any_shard_fails_the_run_and_is_named(tmp_path):
     r = _run(tmp_path, "--shards", "4", "--mem-fraction", "0.2", "test_c.py")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "FAILED test_c.py::test_c[4]" in r.stdout and "gpu_tests: FAILED" in r.stdout
+    # the assertion's message comes back on the console (the shard logs stay on the machine that ran them)
+    assert any(ln.strip().startswith("E ") and "four" in ln for ln in r.stdout.splitlines()), r.stdout
     assert sum("passed" in ln for ln in r.stdout.splitlines() if ln.startswith("shard ")) == 4
 
 
