@@ -224,6 +224,28 @@ def save_json(path, payload):
     os.replace(tmp, path)
 
 
+TARGET_CARD = "H200"  # BENCHMARKS.md's targets are the H200's
+
+
+def card_of(payload) -> str | None:
+    """A payload's card as a short name ("H100", "H200"), or None where its device names neither."""
+    device = str(payload.get("device", ""))
+    return next((c for c in ("H200", "H100") if c in device), None)
+
+
+def results_section(name, payload) -> str:
+    """RESULTS.md's section for a run: ``name`` on the targets' card (or an unnamed device), ``name on an H100``
+    on another, so an H100 run never overwrites the H200's table."""
+    card = card_of(payload)
+    return name if card in (None, TARGET_CARD) else f"{name} on an {card}"
+
+
+def results_suffix(payload) -> str:
+    """'' on the targets' card, else '_h100' and the like: for the files a report writes next to RESULTS.md."""
+    card = card_of(payload)
+    return "" if card in (None, TARGET_CARD) else f"_{card.lower()}"
+
+
 def update_results_section(name, body):
     """Replaces (or appends) the section ``## name`` of benchmarks/RESULTS.md."""
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"

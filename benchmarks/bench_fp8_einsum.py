@@ -276,6 +276,9 @@ def report(payload):
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
                "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
                "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")
+            + ("" if C.card_of(payload) in (None, C.TARGET_CARD) else
+               f" The targets are the {C.TARGET_CARD}'s; this {C.card_of(payload)} run has about "
+               f"{payload['copy_bw'] / 1e12:.2f} TB/s of copy bandwidth to the H200's 4.3.")
             + "\n\n"
             + C.md_table(md, cols) + "\n")
     for r in payload["rows"]:
@@ -285,7 +288,8 @@ def report(payload):
             body += (f"\nThe quantizer's traffic (2 bytes read, 1 written per element) on its own: a plain bf16 -> e4m3 "
                      f"cast of the same [{r['M']}, {r['K']}] tensor reaches {' / '.join(casts)} of copy bandwidth; the "
                      f"quantizer reaches {100 * r['frac_copy_bw']:.0f}% while also finding the group maxima and writing scales.\n")
-    C.update_results_section("FP8 block-scaled einsum (DeepSeek-V3 linears, per-head products)", body)
+    C.update_results_section(C.results_section("FP8 block-scaled einsum (DeepSeek-V3 linears, per-head products)",
+                                               payload), body)
 
 
 def main():

@@ -288,13 +288,20 @@ def fmt_trace(r):
     return f" | kernels per call: {parts} (busy {r['trace_busy_us']:.1f} of {r['trace_span_us']:.1f} us)"
 
 
+def folded_tflops(r):
+    """TFLOP/s of a row's folded-layout call (the same routed rows' work over ``folded_us``)."""
+    return r["TFLOPs"] * r["ours_us"] / r["folded_us"]
+
+
 def fmt_row(r):
     peers = " ".join(f"{p}={r[f'x_{p}']:.2f}x" for p in PEERS if f"x_{p}" in r)
     fused = (f" | fused up {r['fused_up_us']:.0f} us vs unfused {r['unfused_up_us']:.0f} us"
              if "fused_up_us" in r else "")
     fused += "".join(f" (fused {k} MMA {v:.0f} us)" for k, v in fused_mma_times(r).items())
     fused += f" (the op's default, composed: {r['moe_up_op_us']:.0f} us)" if "moe_up_op_us" in r else ""
-    tiles = "".join(f" | {k} {v:.0f} us" for k, v in tile_times(r).items())
+    tiles = (f" | folded layout {r['folded_us']:.1f} us {folded_tflops(r):.0f} TFLOP/s"
+             if "folded_us" in r else "")
+    tiles += "".join(f" | {k} {v:.0f} us" for k, v in tile_times(r).items())
     tiles += "".join(f" | {k} MMA {v:.0f} us" for k, v in mma_times(r).items())
     tiles += "".join(f" | {k} kernel {v:.0f} us" for k, v in kernel_times(r).items())
     return (f"{r['shape']:8s} M={r['M']:6d} {r['routing']:7s} {r['plan']:7s} {r['ours_us']:9.1f} us "
@@ -303,9 +310,13 @@ def fmt_row(r):
 
 
 def report(payload, out):
+    """Writes the run's table into RESULTS.md (the H200's section, or the section of the card it ran on) and its
+    plot next to it (grouped_gemm.png, or grouped_gemm_h100.png and the like)."""
     rows = payload["rows"]
+    png = f"grouped_gemm{C.results_suffix(payload)}.png"
     cols = (["shape", "M", "routing", "plan", "us", "TFLOP/s", "weight GB/s", "% copy BW"] + [f"vs {p}" for p in PEERS]
-            + ["fused up-proj us (unfused)", "other token tiles us", "other MMA us", "other kernel us"])
+            + ["folded layout us (TFLOP/s)", "fused up-proj us (unfused)", "other token tiles us", "other MMA us",
+               "other kernel us"])
     md = []
     for r in rows:
         d = {"shape": r["shape"], "M": r["M"], "routing": r["routing"], "plan": r["plan"],
@@ -314,6 +325,9 @@ def report(payload, out):
         for p in PEERS:
             if f"x_{p}" in r:
                 d[f"vs {p}"] = f"{r[f'x_{p}']:.2f}x ({r[f'{p}_us']:.0f} us)"
+        if "folded_us" in r:
+            d["folded layout us (TFLOP/s)"] = (f"{r['folded_us']:.1f} ({folded_tflops(r):.0f})"
+                                               + ("" if r.get("folded_bitwise_equal", True) else ", NOT bit for bit"))
         if "fused_up_us" in r:
             d["fused up-proj us (unfused)"] = f"{r['fused_up_us']:.0f} ({r['unfused_up_us']:.0f})" + "".join(
                 f"; {k}: {v:.0f}" for k, v in fused_mma_times(r).items()) + (
@@ -338,15 +352,22 @@ def report(payload, out):
             "converted to e4m3 once per call, then CUTLASS's grouped FP8 GEMM; the time includes the conversion); "
             "other token tiles: the same call forced to another tile (the heuristic's alternatives); other MMA: the "
             "same call with the other tensor-core operand format (`mma=`, same token tile, this library's wgmma tiles); other kernel: the "
-            "same call on the other kernel families (`kernel=`: CUTLASS from M = 2048, the decode kernel up to M = 512 with 8- and 16-row units)."
+            "same call on the other kernel families (`kernel=`: CUTLASS from M = 2048, the decode kernel up to M = 512 with 8- and 16-row units)"
+            + ("; folded layout: the same call on activations the quantizer hands over already folded "
+               "(`x_layout=\"folded\"`, as the MoE layer runs it where the plan folds UE8M0 scales: no preparation "
+               "pass), its outputs bit for bit the standard call's" if any("folded_us" in r for r in rows) else "")
+            + "."
+            + ("" if C.card_of(payload) in (None, C.TARGET_CARD) else
+               f" The targets are the {C.TARGET_CARD}'s; this {C.card_of(payload)} run has about "
+               f"{payload['copy_bw'] / 1e12:.2f} TB/s of copy bandwidth to the H200's 4.3.")
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
                "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
                "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")
-            + "\n\n" + C.md_table(md, cols) + "\n\n![grouped GEMM](grouped_gemm.png)\n")
-    C.update_results_section("W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1)", body)
-    save_plot(payload, C.HERE / "grouped_gemm.png")
+            + "\n\n" + C.md_table(md, cols) + f"\n\n![grouped GEMM]({png})\n")
+    C.update_results_section(C.results_section("W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1)", payload), body)
+    save_plot(payload, C.HERE / png)
     if out:
-        save_plot(payload, pathlib.Path(out) / "grouped_gemm.png")
+        save_plot(payload, pathlib.Path(out) / png)
 
 
 def save_plot(payload, path):

@@ -343,6 +343,47 @@ def test_bench_grouped_gemm_keeps_rows_of_a_run_stopped_early(tmp_path, monkeypa
     assert "stopped early" not in (tmp_path / "RESULTS.md").read_text()
 
 
+def test_bench_reports_of_an_h100_run_keep_the_h200_tables(tmp_path, monkeypatch):
+    """The targets are the H200's: a report of a run on an H100 goes to its own RESULTS.md section (and the grouped
+    GEMM's plot to grouped_gemm_h100.png), never over the H200's table; the grouped GEMM's folded-layout time
+    gets its column (us and TFLOP/s over the same routed rows)."""
+    gg = _load_bench("bench_grouped_gemm")
+    ein = _load_bench("bench_fp8_einsum")
+    C = gg.C
+    assert ein.C is C
+    monkeypatch.setattr(C, "RESULTS", tmp_path / "RESULTS.md")
+    monkeypatch.setattr(C, "HERE", tmp_path)
+    monkeypatch.setattr(gg, "save_plot", lambda payload, path: path.write_text("png"))
+    row = {"shape": "gate_up", "M": 4096, "routing": "uniform", "plan": "t128/s1", "ours_us": 500.0, "TFLOPs": 480.0,
+           "weight_GBps": 900.0, "frac_copy_bw": 0.3, "rel_err_vs_simple": 1e-4, "folded_us": 400.0,
+           "folded_bitwise_equal": True}
+    base = {"rows": [row], "copy_bw": 3.0e12, "date": "2026-12-07", "jax": "0", "complete": True}
+    gg.report(dict(base, device="NVIDIA H200"), None)
+    gg.report(dict(base, device="NVIDIA H100 80GB HBM3", copy_bw=3.03e12), None)
+    text = (tmp_path / "RESULTS.md").read_text()
+    h200, h100 = text.split("## W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1)\n")[1].split(
+        "## W4A8 grouped GEMM (one EP8 shard of DeepSeek-R1) on an H100\n")
+    assert "on NVIDIA H200 " in h200 and "H100" not in h200 and "![grouped GEMM](grouped_gemm.png)" in h200
+    assert "on NVIDIA H100 80GB HBM3 " in h100 and "![grouped GEMM](grouped_gemm_h100.png)" in h100
+    assert "this H100 run has about 3.03 TB/s" in h100
+    assert "| 400.0 (600) |" in h100  # 480 TFLOP/s at 500 us -> 600 at 400 us
+    assert (tmp_path / "grouped_gemm.png").exists() and (tmp_path / "grouped_gemm_h100.png").exists()
+    assert "folded layout 400.0 us 600 TFLOP/s" in gg.fmt_row(row)
+    gg.report(dict(base, device="NVIDIA H100 80GB HBM3", rows=[dict(row, folded_bitwise_equal=False)]), None)
+    assert "NOT bit for bit" in (tmp_path / "RESULTS.md").read_text()
+    # the einsum's likewise
+    erow = {"case": "square", "eq": "md,nd->mn", "M": 4096, "N": 7168, "K": 7168, "plan": "cutlass", "ours_us": 350.0,
+            "TFLOPs": 1200.0, "weight_GBps": 140.0, "frac_copy_bw": 0.05}
+    ein.report({"rows": [erow], "copy_bw": 4.3e12, "device": "NVIDIA H200", "complete": True})
+    ein.report({"rows": [dict(erow, ours_us=360.0)], "copy_bw": 3.03e12, "device": "NVIDIA H100 80GB HBM3",
+                "complete": True})
+    text = (tmp_path / "RESULTS.md").read_text()
+    head = "## FP8 block-scaled einsum (DeepSeek-V3 linears, per-head products)"
+    assert f"{head}\n" in text and f"{head} on an H100\n" in text
+    assert "| 350.0 |" in text.split(f"{head}\n")[1].split("\n## ")[0]
+    assert "| 360.0 |" in text.split(f"{head} on an H100\n")[1]
+
+
 def test_bench_grouped_gemm_trace_kernels_reports_each_kernel_family_per_call(tmp_path, monkeypatch):
     """--trace-kernels traces a row's timing loop once and records each kernel family's time per call, the busy time and
     the span (what fmt_row prints after the row). On the CPU backend the profiler records no device kernels: the
