@@ -62,8 +62,10 @@ def run(devices, token_counts, experts=E, top_k=TOP_K, hidden=HIDDEN, inter=INTE
                             jnp.int32).astype(jnp.int8)
     s2 = jax.random.uniform(jax.random.fold_in(key, 4), (experts, hidden, inter // 128), jnp.float32, 5e-3, 1.5e-2)
 
-    def experts_fn(x8, xs, sizes, hint):
-        """Experts._w4a8's unfused chain on quantized rows (folded where the gate+up plan folds)."""
+    def experts_fn(x8, xs, sizes, w13, s13, w2, s2, hint):
+        """Experts._w4a8's unfused chain on quantized rows (folded where the gate+up plan folds). The weights come
+        as arguments: closed over, they would be compiled into every timed program as constants (hundreds of MB;
+        the first H100 run spent minutes per case compiling)."""
         m = x8.shape[0]
         up = ops.w4a8_grouped_gemm(x8, xs, w13, s13, sizes, rows_per_expert=hint,
                                    x_layout="folded" if xs.ndim == 1 else "standard")
@@ -85,7 +87,7 @@ def run(devices, token_counts, experts=E, top_k=TOP_K, hidden=HIDDEN, inter=INTE
             layout = tiling.grouped_gemm_layout(m, experts, 2 * inter, hidden, rows_per_expert=hint)
             a = (x8[:m], xs[:m]) if layout == "standard" else quant.fold_fp8_groups(x8[:m], xs[:m])
             fns[name] = jax.jit(functools.partial(experts_fn, hint=hint))
-            args_of[name] = (*a, sizes)
+            args_of[name] = (*a, sizes, w13, s13, w2, s2)
             p = tiling.plan_grouped_gemm(m, experts, 2 * inter, hidden, rows_per_expert=hint)
             plans[name] = f"{p.kernel} t{p.tile_tokens}/s{p.split_k}/{p.mma}" + (" folded" if layout == "folded" else "")
         t = C.bench_alternating({name: (fns[name], [args_of[name]]) for name in cases})
