@@ -228,22 +228,24 @@ TARGET_CARD = "H200"  # BENCHMARKS.md's targets are the H200's
 
 
 def card_of(payload) -> str | None:
-    """A payload's card as a short name ("H100", "H200"), or None where its device names neither."""
-    device = str(payload.get("device", ""))
-    return next((c for c in ("H200", "H100") if c in device), None)
+    """A payload's card: "H100" or "H200" where its device names one (a GH200 is not an H200), its device's name
+    otherwise, None where it names none (JSON written before devices were recorded)."""
+    device = str(payload.get("device") or "")
+    card = next((c for c in ("H200", "H100") if re.search(rf"(?<![A-Za-z0-9]){c}(?![0-9])", device)), None)
+    return card or device or None
 
 
 def results_section(name, payload) -> str:
     """RESULTS.md's section for a run: ``name`` on the targets' card (or an unnamed device), ``name on an H100``
-    on another, so an H100 run never overwrites the H200's table."""
+    (``name on <device>``) on any other, so another card's run never overwrites the H200's table."""
     card = card_of(payload)
-    return name if card in (None, TARGET_CARD) else f"{name} on an {card}"
+    return name if card in (None, TARGET_CARD) else f"{name} on {'an H100' if card == 'H100' else card}"
 
 
 def results_suffix(payload) -> str:
     """'' on the targets' card, else '_h100' and the like: for the files a report writes next to RESULTS.md."""
     card = card_of(payload)
-    return "" if card in (None, TARGET_CARD) else f"_{card.lower()}"
+    return "" if card in (None, TARGET_CARD) else "_" + (re.sub(r"[^a-z0-9]+", "_", card.lower()).strip("_") or "other")
 
 
 def update_results_section(name, body):

@@ -355,7 +355,9 @@ def report(payload, out):
             "same call on the other kernel families (`kernel=`: CUTLASS from M = 2048, the decode kernel up to M = 512 with 8- and 16-row units)"
             + ("; folded layout: the same call on activations the quantizer hands over already folded "
                "(`x_layout=\"folded\"`, as the MoE layer runs it where the plan folds UE8M0 scales: no preparation "
-               "pass), its outputs bit for bit the standard call's" if any("folded_us" in r for r in rows) else "")
+               "pass)" + (", its outputs bit for bit the standard call's" if all(
+                   r.get("folded_bitwise_equal", True) for r in rows) else "") if any("folded_us" in r for r in rows)
+               else "")
             + "."
             + ("" if C.card_of(payload) in (None, C.TARGET_CARD) else
                f" The targets are the {C.TARGET_CARD}'s; this {C.card_of(payload)} run has about "

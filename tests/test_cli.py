@@ -371,6 +371,11 @@ def test_bench_reports_of_an_h100_run_keep_the_h200_tables(tmp_path, monkeypatch
     assert "folded layout 400.0 us 600 TFLOP/s" in gg.fmt_row(row)
     gg.report(dict(base, device="NVIDIA H100 80GB HBM3", rows=[dict(row, folded_bitwise_equal=False)]), None)
     assert "NOT bit for bit" in (tmp_path / "RESULTS.md").read_text()
+    # other cards get sections of their own too; a GH200 is not the targets' H200
+    assert C.results_section("X", {"device": "NVIDIA B200"}) == "X on NVIDIA B200"
+    assert C.results_section("X", {"device": "NVIDIA GH200 480GB"}) == "X on NVIDIA GH200 480GB"
+    assert C.results_section("X", {"device": "NVIDIA H200 NVL"}) == "X" == C.results_section("X", {})
+    assert C.results_suffix({"device": "NVIDIA B200"}) == "_nvidia_b200"
     # the einsum's likewise
     erow = {"case": "square", "eq": "md,nd->mn", "M": 4096, "N": 7168, "K": 7168, "plan": "cutlass", "ours_us": 350.0,
             "TFLOPs": 1200.0, "weight_GBps": 140.0, "frac_copy_bw": 0.05}

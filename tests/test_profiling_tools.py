@@ -482,7 +482,7 @@ def test_fused_epilogue_probes_refuse_an_unknown_probe():
     assert result.returncode == 2 and "unknown probe(s) nothing" in result.stderr
 
 
-def test_bench_ep_buffer_times_the_padded_buffer_with_and_without_the_hint():
+def test_bench_ep_buffer_times_the_padded_buffer_with_and_without_the_hint(monkeypatch):
     """benchmarks/bench_ep_buffer.py (CPU handlers, small shapes): the real rows alone, in the padded buffer planned
     for the real rows (the model's way), and planned from the buffer; the real rows' outputs agree, and the hint
     changes the plan where the buffer would fold but the real rows per expert do not."""
@@ -499,11 +499,8 @@ def test_bench_ep_buffer_times_the_padded_buffer_with_and_without_the_hint():
         timed.update(fns)
         return bench_alternating(fns, **kw)
 
-    B.C.bench_alternating = spy
-    try:
-        (r,) = B.run(4, [300], experts=4, top_k=2, hidden=256, inter=128)
-    finally:
-        B.C.bench_alternating = bench_alternating
+    monkeypatch.setattr(B.C, "bench_alternating", spy)
+    (r,) = B.run(4, [300], experts=4, top_k=2, hidden=256, inter=128)
     assert (r["real_rows"], r["buffer_rows"], r["dispatch"]) == (150, 600, "all_to_all")
     # the weights (here 4 x 256 x 128 int8 and more) travel as arguments, not as constants compiled into every
     # timed program (closed over, R1's 700 MB of them made each case compile for minutes on the H100)
