@@ -239,7 +239,8 @@ def _all_to_all_body(x, ids, weights, params, *, experts_fn, num_experts, n, exc
         # Sorted rows past the real ones (sum(sizes), about 1/n of the buffer) are padding, zero as before, but
         # without reading the received zero rows from memory
         real = jnp.arange(n * cap) < jnp.sum(sizes)
-        y = experts_fn(params, map_rows(recv_x, lambda a: _take_rows(a, order2, real)), sizes)
+        y = experts_fn(params, map_rows(recv_x, lambda a: _as_bytes(lambda b: _take_rows(b, order2, real), a)),
+                       sizes)
     else:
         y = experts_fn(params, map_rows(recv_x, lambda a: jnp.take(a, order2, axis=0)), sizes)
 
