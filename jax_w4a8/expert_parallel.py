@@ -287,7 +287,7 @@ def moe_apply_ep(x, topk_ids, topk_weights, expert_params: Any, experts_fn: Call
         raise ValueError(f"moe_apply_ep: argument 'num_experts' ({num_experts}) must divide over the expert axis "
                          f"of size {n}")
     rows = x[0] if isinstance(x, tuple) else x
-    if rows.shape[0] == 0:  # nothing to route (collectives reject empty operands)
+    if rows.shape[0] == 0 or topk_ids.shape[1] == 0:  # nothing to route (collectives reject empty operands)
         return jnp.zeros(rows.shape, out_dtype)
     if ep.strategy(rows.shape[0]) == "gather":
         body = _gather_body

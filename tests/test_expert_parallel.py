@@ -153,6 +153,11 @@ def test_zero_tokens(dispatch):
     out = moe_apply_ep(jnp.zeros((0, 16)), jnp.zeros((0, 2), jnp.int32), jnp.zeros((0, 2)), jnp.zeros((4, 1)),
                        lambda p, x, gs: x, 4, ExpertParallel(mesh, dispatch))
     assert out.shape == (0, 16)
+    # tokens routed to no expert (K = 0): zeros, as moe_apply gives (the collectives would reject the empty slots)
+    x = jnp.ones((5, 16))
+    out = moe_apply_ep(x, jnp.zeros((5, 0), jnp.int32), jnp.zeros((5, 0)), jnp.zeros((4, 1)),
+                       lambda p, x, gs: x, 4, ExpertParallel(mesh, dispatch))
+    np.testing.assert_array_equal(np.asarray(out), np.zeros((5, 16), np.float32))
 
 
 @pytest.mark.parametrize("dispatch", ["gather", "all_to_all"])
