@@ -9,7 +9,9 @@ run several pytest processes at once (this project's sessions ran 6-8 on the H20
 about 70-120 s).
 The selected tests are collected once and dealt round-robin to the processes; each process may take
 ``--mem-fraction`` of the GPU's memory (XLA_PYTHON_CLIENT_MEM_FRACTION; default 0.9 / shards, with fewer
-processes where that share of the GPU, as ``nvidia-smi`` reports it, is under ``--min-gib``). Prints each
+processes where that share of the GPU, as ``nvidia-smi`` reports it, is under ``--min-gib``). Tests marked
+``alone`` (compute-sanitizer's runs, which slow every kernel many times over and take memory of their own) run
+after the others, in one process with 0.9 of the GPU to themselves. Prints each
 process's pytest summary, then every failed or errored test; exits 0 only if every process passed (or
 had nothing to run). Uses the interpreter it runs under: run it where the package imports (the set-up of
 ``scripts/test.sh``, or a GPU machine's own environment with ``PYTHONPATH`` at the checkout).
@@ -37,6 +39,18 @@ def collect(pytest_args: list[str], cwd: str) -> list[str]:
         raise SystemExit(f"gpu_tests: collecting {' '.join(pytest_args)} failed (exit {r.returncode}):\n"
                          f"{(r.stdout + r.stderr)[-3000:]}")
     return ids
+
+
+def marked_alone(ids: list[str], cwd: str) -> set[str]:
+    """Those of ``ids`` marked ``alone`` (``@pytest.mark.alone``: they want the GPU to themselves)."""
+    if not ids:
+        return set()
+    r = subprocess.run([sys.executable, "-m", "pytest", "--co", "-q", "-p", "no:cacheprovider", "-m", "alone", *ids],
+                       capture_output=True, text=True, cwd=cwd)
+    if r.returncode not in (0, 5):
+        raise SystemExit(f"gpu_tests: collecting the tests marked alone failed (exit {r.returncode}):\n"
+                         f"{(r.stdout + r.stderr)[-3000:]}")
+    return {ln.strip() for ln in r.stdout.splitlines() if "::" in ln and not ln.startswith(" ")}
 
 
 def deal(ids: list[str], shards: int) -> list[list[str]]:
@@ -105,28 +119,39 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(logs, exist_ok=True)
 
     ids = collect(pytest_args, cwd)
-    parts = deal(ids, shards)
-    print(f"gpu_tests: {len(ids)} tests in {len(parts)} processes, {fraction:.2f} of GPU memory each; logs in {logs}",
-          flush=True)
-    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{fraction:.3f}")
-    procs = []
-    for i, part in enumerate(parts):
-        path = os.path.join(logs, f"shard_{i}.log")
+    alone = marked_alone(ids, cwd)
+    parts = deal([i for i in ids if i not in alone], shards)
+    print(f"gpu_tests: {len(ids)} tests" + (f", {len(ids) - len(alone)}" if alone else "")
+          + f" in {len(parts)} processes, {fraction:.2f} of GPU memory each"
+          + (f", then {len(alone)} alone with 0.90" if alone else "") + f"; logs in {logs}", flush=True)
+
+    def start(name, part, frac):
+        path = os.path.join(logs, f"{name}.log")
+        env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION=f"{frac:.3f}")
         with open(path, "w") as log:
-            procs.append((path, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *part],
-                                                 stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)))
+            return path, subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *part],
+                                          stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env)
+
     ok = True
     failed = []
-    for i, (path, proc) in enumerate(procs):
+
+    def finish(label, path, proc):
+        nonlocal ok, failed
         rc = proc.wait()
         with open(path) as f:
             log = f.read()
-        print(f"shard {i}: {summary_line(log)} (exit {rc})")
+        print(f"{label}: {summary_line(log)} (exit {rc})", flush=True)
         if rc not in (0, 5):  # why: the E lines, or the log's end where there are none (a crash)
             for ln in error_lines(log) or log.splitlines()[-15:]:
                 print(f"  {ln}")
         failed += failures(log)
         ok &= rc in (0, 5)
+
+    procs = [start(f"shard_{i}", part, fraction) for i, part in enumerate(parts)]
+    for i, (path, proc) in enumerate(procs):
+        finish(f"shard {i}", path, proc)
+    if alone:  # after the shards: the GPU to themselves
+        finish("alone", *start("alone", [i for i in ids if i in alone], 0.9))
     for ln in failed:
         print(ln)
     print("gpu_tests: passed" if ok else "gpu_tests: FAILED")

@@ -34,6 +34,33 @@ def test_every_selected_test_runs_once_across_the_shards(tmp_path):
     assert sorted(os.listdir(tmp_path / "logs")) == ["shard_0.log", "shard_1.log", "shard_2.log"]
 
 
+def test_tests_marked_alone_run_after_the_others_with_the_gpu_to_themselves(tmp_path):
+    """compute-sanitizer's tests (``@pytest.mark.alone``) run after every shard has finished, in one process with 0.9
+    of the GPU: the sixty-fifth session's H100 saw synccheck fail once beside four test processes, and pass alone."""
+    _write(tmp_path, "test_a.py", "import pytest\n"
+           "@pytest.mark.parametrize('i', range(5))\n"
+           "def test_a(i):\n"
+           "    with open('seen.txt', 'a') as f: f.write(f'{i}\\n')\n")
+    _write(tmp_path, "test_s.py", "import os, pytest\n"
+           "@pytest.mark.alone\n"
+           "@pytest.mark.parametrize('tool', ['memcheck', 'racecheck'])\n"
+           "def test_s(tool):\n"
+           "    done = open('seen.txt').read().split()\n"
+           "    with open('alone.txt', 'a') as f:\n"
+           "        f.write(f'{tool} {len(done)} {os.environ[\"XLA_PYTHON_CLIENT_MEM_FRACTION\"]}\\n')\n")
+    r = _run(tmp_path, "--shards", "3", "--", "test_s.py", "test_a.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "7 tests, 5 in 3 processes, 0.30 of GPU memory each, then 2 alone with 0.90" in r.stdout, r.stdout
+    assert "alone: 2 passed" in r.stdout, r.stdout
+    # both ran after all five others, in one process with 0.9 of the GPU
+    assert sorted((tmp_path / "alone.txt").read_text().split("\n")[:-1]) == ["memcheck 5 0.900", "racecheck 5 0.900"]
+    assert sorted(os.listdir(tmp_path / "logs")) == ["alone.log", "shard_0.log", "shard_1.log", "shard_2.log"]
+    # a failure there fails the run and is named
+    _write(tmp_path, "test_s.py", "import pytest\n@pytest.mark.alone\ndef test_s():\n    assert False, 'synccheck'\n")
+    r = _run(tmp_path, "--shards", "2", "--", "test_s.py", "test_a.py")
+    assert r.returncode == 1 and "FAILED test_s.py::test_s" in r.stdout and "synccheck" in r.stdout, r.stdout
+
+
 def test_a_failure_in_any_shard_fails_the_run_and_is_named(tmp_path):
     _write(tmp_path, "test_c.py", "import pytest\n"
            "@pytest.mark.parametrize('i', range(6))\n"

@@ -206,6 +206,7 @@ def compiled_case_env(tmp_path_factory):
 
 
 @pytest.mark.gpu
+@pytest.mark.alone  # compute-sanitizer slows the GPU's every kernel: scripts/gpu_tests.py runs it by itself
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_sanitizer_case_is_clean(tool, compiled_case_env):
     env = compiled_case_env
