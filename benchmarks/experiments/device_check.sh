@@ -257,8 +257,14 @@ step folded 540 bash -c folded
 # 5i. expert parallelism's padded buffers on one GPU (sixty-fourth session; benchmarks/bench_ep_buffer.py): one EP8
 #     shard's experts on the real rows alone, in the padded buffer planned for the real rows (the model's way since
 #     the sixty-fourth session) and planned from the buffer (before), 64 to 16384 tokens; JSON in $OUT. Not in the
-#     default STEPS: STEPS=ep_buffer (not yet timed; limit 300 s; carry jax_w4a8/_lib).
+#     default STEPS: STEPS=ep_buffer (sixty-fifth session, H100: the 64-token case alone took the 300 s while the
+#     weights were compiled into every program; they are arguments now; carry jax_w4a8/_lib).
 step ep_buffer 300 python3 benchmarks/bench_ep_buffer.py --out "$OUT"
+# 5j. the acceptance tables of issues #3 and #4 in one call (sixty-fifth session, H100: 361 s + 150 s): the grouped
+#     GEMM's and the einsum's, JSON (and the grouped GEMM's plot) in $OUT; `--report` renders them into RESULTS.md
+#     (into the section of the card they ran on). Not in the default STEPS: STEPS=tables (carry jax_w4a8/_lib).
+step tables_grouped_gemm 420 python3 benchmarks/bench_grouped_gemm.py --quick --peers fast --out "$OUT"
+step tables_fp8_einsum 170 python3 benchmarks/bench_fp8_einsum.py --quick --out "$OUT"
 # 6. where else L1 misses cost L2 traffic (forty-ninth session: the 32-token wide tile's weight-scale loads hit L1
 #    38% of the time in the 228 KiB shared-memory configuration, 87% in the 196 KiB one): per kernel of the main
 #    decode cases (main's build, or L1_BUILD's), the L1 hit rate of its global loads, their sectors and misses, the
