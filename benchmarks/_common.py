@@ -242,6 +242,15 @@ def results_section(name, payload) -> str:
     return name if card in (None, TARGET_CARD) else f"{name} on {'an H100' if card == 'H100' else card}"
 
 
+def card_note(payload) -> str:
+    """'' on the targets' card, else the report's sentence saying so, with the run's copy bandwidth."""
+    card = card_of(payload)
+    if card in (None, TARGET_CARD):
+        return ""
+    return (f" The targets are the {TARGET_CARD}'s; this {card} run has about {payload['copy_bw'] / 1e12:.2f} TB/s "
+            "of copy bandwidth to the H200's 4.3.")
+
+
 def results_suffix(payload) -> str:
     """'' on the targets' card, else '_h100' and the like: for the files a report writes next to RESULTS.md."""
     card = card_of(payload)

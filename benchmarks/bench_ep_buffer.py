@@ -35,16 +35,18 @@ import _common as C  # noqa: E402
 E, TOP_K, HIDDEN, INTER = 32, 8, 7168, 2048
 
 
-def _dispatch(tokens: int) -> str:
-    """ExpertParallel's default dispatch ("auto") for this many tokens."""
+def _ep(n: int):
+    """The model's default ExpertParallel over an ``n``-device expert axis (an abstract mesh: no devices needed)."""
+    import jax  # noqa: PLC0415
+
     from jax_w4a8.expert_parallel import ExpertParallel  # noqa: PLC0415
-    return "gather" if tokens <= ExpertParallel.gather_max_tokens else "all_to_all"
+    from jax_w4a8.sharding import EXPERT_AXIS  # noqa: PLC0415
+    return ExpertParallel(jax.sharding.AbstractMesh((n,), (EXPERT_AXIS,)))
 
 
 def buffer_rows(tokens: int, n: int, top_k: int) -> int:
     """ExpertParallel.buffer_rows with the default dispatch ("auto")."""
-    from jax_w4a8.expert_parallel import buffer_rows as rows  # noqa: PLC0415
-    return rows(tokens, top_k, n, _dispatch(tokens))
+    return _ep(n).buffer_rows(tokens, top_k)
 
 
 def run(devices, token_counts, experts=E, top_k=TOP_K, hidden=HIDDEN, inter=INTER):
@@ -93,7 +95,7 @@ def run(devices, token_counts, experts=E, top_k=TOP_K, hidden=HIDDEN, inter=INTE
         t = C.bench_alternating({name: (fns[name], [args_of[name]]) for name in cases})
         outs = {name: np.asarray(fns[name](*args_of[name])[:real].astype(jnp.float32)) for name in cases}
         ref = outs["alone"]
-        r = dict(tokens=tokens, devices=devices, dispatch=_dispatch(tokens), real_rows=real, buffer_rows=buf)
+        r = dict(tokens=tokens, devices=devices, dispatch=_ep(devices).strategy(tokens), real_rows=real, buffer_rows=buf)
         for name in cases:
             r[f"{name}_us"] = t[name] * 1e6
             r[f"{name}_plan"] = plans[name]

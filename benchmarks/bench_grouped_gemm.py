@@ -359,9 +359,7 @@ def report(payload, out):
                    r.get("folded_bitwise_equal", True) for r in rows) else "") if any("folded_us" in r for r in rows)
                else "")
             + "."
-            + ("" if C.card_of(payload) in (None, C.TARGET_CARD) else
-               f" The targets are the {C.TARGET_CARD}'s; this {C.card_of(payload)} run has about "
-               f"{payload['copy_bw'] / 1e12:.2f} TB/s of copy bandwidth to the H200's 4.3.")
+            + C.card_note(payload)
             + (f" The timing loop costs {payload['harness_floor_us']:.1f} us per call by itself (a 128-element XLA "
                "op measured the same way), included in every time below; each timed program runs 10 calls, or up to "
                "200 for short ones so that its launch is shared." if "harness_floor_us" in payload else "")
