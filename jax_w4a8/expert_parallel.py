@@ -96,9 +96,12 @@ def buffer_rows(num_tokens: int, top_k: int, n: int, dispatch: str) -> int:
     """The rows each of ``n`` devices' ``experts_fn`` receives for ``num_tokens`` tokens routed to ``top_k``
     experts (static; the real ones first, the rest padding): all ``num_tokens * top_k`` slots under ``"gather"``,
     ``n`` chunks of ``ceil(num_tokens / n)`` whole tokens' slots under ``"all_to_all"`` (room for every slot to
-    land on one device)."""
+    land on one device). Returns an int (static shapes in, rows out). Raises ValueError naming ``dispatch`` for
+    anything but ``"gather"`` or ``"all_to_all"`` (``"auto"`` is :meth:`ExpertParallel.strategy`'s to resolve)."""
     if dispatch == "gather":
         return num_tokens * top_k
+    if dispatch != "all_to_all":
+        raise ValueError(f"buffer_rows: argument 'dispatch' must be 'gather' or 'all_to_all', got {dispatch!r}")
     return n * -(-num_tokens // n) * top_k
 
 

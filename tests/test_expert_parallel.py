@@ -240,6 +240,28 @@ def test_dense_exchange_moves_rows_in_place(n, tokens, skew, rng):
     assert len(re.findall(r"stablehlo\.all_to_all", hlo)) == 5, re.findall(r"stablehlo\.all_to_all.*", hlo)
 
 
+@pytest.mark.parametrize("n, tokens, top_k", [(2, 17, 3), (4, 5, 2), (4, 301, 1)])
+def test_buffer_rows_is_what_each_device_experts_receive(n, tokens, top_k):
+    """expert_parallel.buffer_rows against the rows each device's experts_fn is handed (recorded while tracing),
+    under both dispatches; an unknown dispatch is named."""
+    from jax_w4a8.expert_parallel import buffer_rows, moe_apply_ep
+    mesh = sharding.make_mesh(n, jax.devices("cpu"))
+    e = 2 * n
+    ids = jnp.asarray(np.arange(tokens * top_k).reshape(tokens, top_k) % e, jnp.int32)
+    seen = []
+
+    def fn(prm, x, gs):
+        seen.append(x.shape[0])
+        return x
+    for dispatch in ("gather", "all_to_all"):
+        seen.clear()
+        moe_apply_ep(jnp.ones((tokens, 8)), ids, jnp.ones((tokens, top_k)), jnp.zeros((e, 1)), fn, e,
+                     ExpertParallel(mesh, dispatch))
+        assert seen == [buffer_rows(tokens, top_k, n, dispatch)], (dispatch, seen)
+    with pytest.raises(ValueError, match="'dispatch'"):
+        buffer_rows(tokens, top_k, n, "auto")
+
+
 def test_auto_dispatch_by_tokens():
     mesh = sharding.make_mesh(2, jax.devices("cpu"))
     ep = ExpertParallel(mesh, "auto", gather_max_tokens=16)
